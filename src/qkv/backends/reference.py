@@ -1,0 +1,98 @@
+"""The reference backend: attention exactly as the textbook writes it.
+
+    Attention(Q, K, V) = softmax(Q Kᵀ / √d_k + M) V
+
+It materialises the (Lq, Lk) score matrix of every head, so it is the backend to read, to check
+the others against, and to get the attention weights from. Legend: B batch, H heads, Lq query
+length, Lk key length, Dk query/key features, Dv value features.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from qkv import masks
+from qkv.backends.base import Call
+
+# Bytes per score element that the computation holds at its peak (scores, their exponentials,
+# the weights, and the bool keep-mask), used to refuse calls that could not fit in memory.
+_BYTES_PER_SCORE = {torch.float32: 13, torch.float64: 25}
+
+
+def attention(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
+    dtype = call.compute_dtype  # float16/bfloat16 are computed in float32
+    q, k, v = call.q.to(dtype), call.k.to(dtype), call.v.to(dtype)
+    if call.groups > 1:  # grouped-query: key/value head j serves query heads j*g ... j*g+g-1
+        k = k.repeat_interleave(call.groups, dim=-3)  # (*B, Hq, Lk, Dk)
+        v = v.repeat_interleave(call.groups, dim=-3)  # (*B, Hq, Lk, Dv)
+    lq, lk = q.shape[-2], k.shape[-2]
+
+    # Scores: how well each query matches each key. The scale 1/√d_k keeps their variance near 1
+    # whatever the head size, so the softmax does not saturate into a one-hot.
+    scores = (q @ k.transpose(-2, -1)) * call.scale  # (*B, Hq, Lq, Lk)
+    bias = masks.tile_bias(call.mask, 0, lq, 0, lk)
+    if bias is not None:
+        scores = scores + bias.to(dtype)  # float mask: added to the scaled scores
+
+    # Blocked keys get -inf, so exp(-inf) = 0 weight: not a small number like -1e9 or 1e-20,
+    # which leaks weight to masked keys (and -1e9 overflows in float16).
+    keep = masks.tile_keep(call.mask, call.causal_offset, 0, lq, 0, lk, q.device)
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+        # A query with no key it may attend would be softmax([-inf, ...]) = 0/0 = NaN. Give its
+        # row finite scores and zero its weights afterwards: 0 output and 0 gradient, no NaN.
+        has_key = keep.any(dim=-1, keepdim=True)  # (*B, Hq, Lq, 1)
+        scores = scores.masked_fill(~has_key, 0.0)
+
+    weights = torch.softmax(scores, dim=-1)  # (*B, Hq, Lq, Lk); softmax subtracts the row max
+    if keep is not None:
+        weights = weights.masked_fill(~has_key, 0.0)
+
+    dropped = weights
+    if call.dropout_p > 0:
+        dropped = torch.nn.functional.dropout(weights, p=call.dropout_p, training=True)
+    out = dropped @ v  # (*B, Hq, Lq, Dv): each output is a weighted sum of the values
+    returned = weights.to(call.q.dtype) if call.return_weights else None
+    return out.to(call.q.dtype), returned
+
+
+def why_not(call: Call) -> str | None:
+    """The reference backend runs every call that fits in memory."""
+    needed = workspace_bytes(call)
+    available = available_bytes(call.q.device)
+    if available is not None and needed > available:
+        return (
+            f"its {'×'.join(str(s) for s in call.scores_shape)} score matrices need about "
+            f"{needed / 2**30:.1f} GiB but only {available / 2**30:.1f} GiB is available; "
+            f'use backend="flash" (memory linear in length) or a shorter sequence'
+        )
+    return None
+
+
+def workspace_bytes(call: Call) -> int:
+    elements = 1
+    for size in call.scores_shape:
+        elements *= size
+    return elements * _BYTES_PER_SCORE[call.compute_dtype]
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory on ``device`` in bytes (None when it cannot be told)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as meminfo:
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None

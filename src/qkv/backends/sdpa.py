@@ -1,0 +1,52 @@
+"""The sdpa backend: torch's fused ``scaled_dot_product_attention``, used only where its
+semantics are exactly qkv's.
+
+torch's ``is_causal`` is top-left aligned and cannot be combined with a mask, so every other
+causal rule is passed to it as a bool mask built by ``qkv.masks``. It cannot return weights.
+Legend: B batch, H heads, Lq query length, Lk key length, D features.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qkv import masks
+from qkv.backends.base import Call
+
+# enable_gqa arrived in torch 2.5
+_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def why_not(call: Call) -> str | None:
+    if call.return_weights:
+        return 'torch\'s fused kernel does not return attention weights; use backend="reference"'
+    if call.groups > 1 and not _HAS_GQA:
+        return "this torch has no grouped-query support in scaled_dot_product_attention"
+    if call.q.shape[-2] == 0 or call.k.shape[-2] == 0:
+        return "torch's fused kernel does not take empty sequences"
+    return None
+
+
+def attention(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
+    q, k, v = call.q, call.k, call.v
+    lq, lk = q.shape[-2], k.shape[-2]
+    is_causal = call.causal_offset == 0 and call.mask is None
+    mask = call.mask
+    if call.causal_offset is not None and not is_causal:
+        causal = masks.tile_keep(None, call.causal_offset, 0, lq, 0, lk, q.device)
+        mask = masks.combine(mask, causal)
+    if mask is not None and mask.is_floating_point():
+        mask = mask.to(q.dtype)  # torch requires a float mask in the inputs' dtype
+    extra = {"enable_gqa": True} if call.groups > 1 else {}
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        dropout_p=call.dropout_p,
+        is_causal=is_causal,
+        scale=call.scale,
+        **extra,
+    )  # (*B, Hq, Lq, Dv)
+    return out, None

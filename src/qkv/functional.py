@@ -1,0 +1,201 @@
+"""``qkv.attention``: argument checks, mask and causal canonicalisation, dispatch to one backend.
+
+Data flows one way: inputs -> checks (here, once) -> a canonical ``Call`` -> one backend -> output.
+
+Legend: B batch, H heads (Hq query heads, Hkv key/value heads), L/Lq query length,
+S/Lk key length, D features (Dk query/key, Dv value).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, overload
+
+import torch
+
+from qkv import _checks, backends, masks, trace
+from qkv.backends.base import Call
+
+Causal = bool | Literal["bottom-right", "top-left"]
+
+
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = ...,
+    causal: Causal = ...,
+    scale: float | None = ...,
+    dropout_p: float = ...,
+    return_weights: Literal[False] = ...,
+    backend: str = ...,
+) -> torch.Tensor: ...
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = ...,
+    causal: Causal = ...,
+    scale: float | None = ...,
+    dropout_p: float = ...,
+    return_weights: Literal[True],
+    backend: str = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    causal: Causal = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention: ``softmax(q kᵀ · scale + mask) v``.
+
+    Shapes (leading dims broadcast by torch rules)::
+
+        q: (*batch, Hq, Lq, Dk)   or any (*batch, Lq, Dk), e.g. (Lq, Dk)
+        k: (*batch, Hkv, Lk, Dk)
+        v: (*batch, Hkv, Lk, Dv)
+        returns out: (*batch, Hq, Lq, Dv) in q's dtype [, weights: (*batch, Hq, Lq, Lk)]
+
+    When ``Hq`` is a multiple g > 1 of ``Hkv`` (grouped-query / multi-query attention), key/value
+    head j serves query heads j*g ... j*g+g-1.
+
+    **Mask convention: True means "may attend".** ``mask`` is bool (True keeps a position) or
+    float (added to the scaled scores; -inf blocks), broadcastable to (*batch, Hq, Lq, Lk).
+    ``causal``: ``True``/``"bottom-right"`` lets query i attend key j iff j <= i + Lk - Lq (the
+    alignment a KV cache needs); ``"top-left"``: j <= i. A key must pass both mask and causal.
+
+    ``scale`` defaults to 1/sqrt(Dk). ``dropout_p`` drops attention weights (survivors scaled by
+    1/(1-p)) whenever > 0. ``return_weights`` also returns the softmax weights before dropout.
+    ``backend``: "auto", "reference", "flash" or "sdpa"; all give the same answer.
+
+    A query with no key it may attend gives 0 output, 0 weights and 0 gradient (never NaN).
+    float16/bfloat16 inputs are computed with float32 scores, softmax and sums.
+    """
+    call, squeeze_head = _canonical_call(
+        q,
+        k,
+        v,
+        mask=mask,
+        causal=causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        return_weights=return_weights,
+        backend=backend,
+    )
+    recorder = trace.current()
+    if recorder is not None and recorder.wants_weights and not call.return_weights:
+        call = Call(**{**call.__dict__, "return_weights": True})
+    out, weights = backends.run(call, backend)
+    if recorder is not None:
+        recorder.record(call, out, weights)
+    if squeeze_head:
+        out = out.squeeze(-3)
+        weights = None if weights is None else weights.squeeze(-3)
+    if return_weights:
+        assert weights is not None
+        return out, weights
+    return out
+
+
+def _canonical_call(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    mask: Any,
+    causal: Any,
+    scale: Any,
+    dropout_p: Any,
+    return_weights: Any,
+    backend: Any,
+) -> tuple[Call, bool]:
+    """Check every argument and build the backend's ``Call``; True if a head dim was added."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _checks.tensor(name, x, min_ndim=2)
+        _checks.floating(name, x)
+    _checks.same_dtype(("q", "k", "v"), (q, k, v))
+    _checks.same_device(("q", "k", "v"), (q, k, v))
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q and k must have the same feature size Dk (last dim), got q "
+            f"{_checks.shape_str(q.shape)} and k {_checks.shape_str(k.shape)}"
+        )
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            f"k and v must have the same length Lk (dim -2), got k {_checks.shape_str(k.shape)}"
+            f" and v {_checks.shape_str(v.shape)}"
+        )
+    _checks.choice("causal", causal, masks.CAUSAL_VALUES)
+    _checks.choice("backend", backend, backends.NAMES)
+    _checks.boolean("return_weights", return_weights)
+    dropout_p = _checks.probability("dropout_p", dropout_p)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _checks.finite_float("scale", scale)
+
+    # A missing head dim: (*batch, L, D) is attention with one head.
+    squeeze_head = q.dim() == 2 and k.dim() == 2 and v.dim() == 2
+    if squeeze_head:
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    q, k, v = _broadcast_heads(q, k, v)
+
+    lq, lk = q.shape[-2], k.shape[-2]
+    scores_shape = Call(q, k, v, None, None, scale, dropout_p, return_weights).scores_shape
+    if mask is not None:
+        _checks.tensor("mask", mask)
+        if mask.dtype != torch.bool and not mask.is_floating_point():
+            raise TypeError(
+                f"mask must be bool (True = may attend) or floating (added to scores), got "
+                f"{mask.dtype}; convert 0/1 masks with mask.bool()"
+            )
+        _checks.same_device(("q", "mask"), (q, mask))
+        target = scores_shape[1:] if squeeze_head else scores_shape
+        _checks.broadcastable("mask", mask.shape, target, "(*batch, Hq, Lq, Lk)")
+    offset = masks.causal_offset(causal, lq, lk)
+    return Call(q, k, v, mask, offset, scale, dropout_p, return_weights), squeeze_head
+
+
+def _broadcast_heads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Check batch and head dims; k and v get one shape (*batch, Hkv, Lk, ·) by broadcasting."""
+    try:
+        kv_lead = torch.broadcast_shapes(k.shape[:-2], v.shape[:-2])
+    except RuntimeError:
+        raise ValueError(
+            f"k and v leading (batch, head) dims must broadcast, got k {_checks.shape_str(k.shape)}"
+            f" and v {_checks.shape_str(v.shape)}"
+        ) from None
+    k = k.expand(*kv_lead, *k.shape[-2:])
+    v = v.expand(*kv_lead, *v.shape[-2:])
+    if q.dim() < 3 or k.dim() < 3:
+        # One side has no head dim: it broadcasts like any batch dim.
+        q = q.unsqueeze(0) if q.dim() < 3 else q
+        k = k.unsqueeze(0) if k.dim() < 3 else k
+        v = v.unsqueeze(0) if v.dim() < 3 else v
+    hq, hkv = q.shape[-3], k.shape[-3]
+    if hq == 1 and hkv > 1:
+        q = q.expand(*q.shape[:-3], hkv, *q.shape[-2:])
+        hq = hkv
+    if hq % hkv != 0:
+        raise ValueError(
+            f"q heads (dim -3) must equal or be a multiple of k/v heads, got q "
+            f"{_checks.shape_str(q.shape)} with {hq} heads and k {_checks.shape_str(k.shape)} "
+            f"with {hkv} heads"
+        )
+    try:
+        torch.broadcast_shapes(q.shape[:-3], k.shape[:-3])
+    except RuntimeError:
+        raise ValueError(
+            f"q and k batch dims (all but the last three) must broadcast, got q "
+            f"{_checks.shape_str(q.shape)} and k {_checks.shape_str(k.shape)}"
+        ) from None
+    return q, k, v

@@ -1,0 +1,317 @@
+"""Attention layers: ``SelfAttention`` and the ``KVCache`` it decodes with.
+
+The layer only projects and reshapes; the attention itself is ``qkv.attention``.
+Legend: B batch, H heads, Hkv key/value heads, L query length, S key length, E model width
+(d_model), C context width (d_context), D head size (head_dim).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from qkv import _checks, backends, masks
+from qkv.functional import attention
+
+
+class KVCache:
+    """The keys and values one attention layer has seen, for decoding step by step.
+
+    ``append`` stores the new keys (B, Hkv, L, D) and values (B, Hkv, L, Dv) and returns all
+    cached ones. Storage is pre-allocated and doubles when full, so decoding n tokens copies
+    O(n) elements in all, not O(n²). (When the new keys need gradients, the cache concatenates
+    instead, so that autograd sees every step.)
+    """
+
+    def __init__(self) -> None:
+        self._keys: torch.Tensor | None = None  # (B, Hkv, capacity, Dk)
+        self._values: torch.Tensor | None = None  # (B, Hkv, capacity, Dv)
+        self._length = 0
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __repr__(self) -> str:
+        shape = None if self._keys is None else _checks.shape_str(self.keys.shape)
+        return f"KVCache(len={self._length}, keys={shape})"
+
+    def reset(self) -> None:
+        """Forget everything cached."""
+        self._keys = self._values = None
+        self._length = 0
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """(B, Hkv, len, Dk) cached keys."""
+        if self._keys is None:
+            raise ValueError("cache is empty: no keys have been appended")
+        return self._keys[..., : self._length, :]
+
+    @property
+    def values(self) -> torch.Tensor:
+        """(B, Hkv, len, Dv) cached values."""
+        if self._values is None:
+            raise ValueError("cache is empty: no values have been appended")
+        return self._values[..., : self._length, :]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add this step's keys and values; return everything cached (keys, values)."""
+        _checks.tensor("k", k, ndims=(4,))
+        _checks.tensor("v", v, ndims=(4,))
+        if self._keys is not None:
+            cached = self.keys
+            for name, new, old in (("k", k, cached), ("v", v, self.values)):
+                if new.shape[:2] != old.shape[:2] or new.shape[-1] != old.shape[-1]:
+                    raise ValueError(
+                        f"{name} of shape {_checks.shape_str(new.shape)} does not match the cache "
+                        f"(B, Hkv, ·, D) = {_checks.shape_str(old.shape)}"
+                    )
+                if new.dtype != old.dtype or new.device != old.device:
+                    raise TypeError(
+                        f"{name} must have the cache's dtype {old.dtype} on {old.device}, got "
+                        f"{new.dtype} on {new.device}"
+                    )
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            self._keys = k if self._keys is None else torch.cat([self.keys, k], dim=-2)
+            self._values = v if self._values is None else torch.cat([self.values, v], dim=-2)
+            self._length = self._keys.shape[-2]
+            return self.keys, self.values
+        self._keys = _grown(self._keys, self._length, k)
+        self._values = _grown(self._values, self._length, v)
+        end = self._length + k.shape[-2]
+        self._keys[..., self._length : end, :] = k
+        self._values[..., self._length : end, :] = v
+        self._length = end
+        return self.keys, self.values
+
+
+def _grown(buffer: torch.Tensor | None, length: int, new: torch.Tensor) -> torch.Tensor:
+    """``buffer`` if it has room for ``new`` after ``length`` positions, else a copy with double
+    the room (geometric growth keeps appending amortised O(1) per position)."""
+    needed = length + new.shape[-2]
+    if buffer is not None and buffer.shape[-2] >= needed:
+        return buffer
+    capacity = max(needed, 2 * (0 if buffer is None else buffer.shape[-2]), 16)
+    grown = new.new_empty((*new.shape[:-2], capacity, new.shape[-1]))
+    if buffer is not None:
+        grown[..., :length, :] = buffer[..., :length, :]
+    return grown
+
+
+class SelfAttention(nn.Module):
+    """Multi-head attention: project to Q, K, V, attend with ``qkv.attention``, project back.
+
+    ``heads=1`` is single-head attention; ``kv_heads < heads`` is grouped-query attention
+    (``kv_heads=1``: multi-query). ``head_dim`` defaults to ``d_model // heads``. ``d_context`` is
+    the feature size of ``context`` for cross-attention (default ``d_model``). For self-attention
+    Q, K and V come from one fused projection ``qkv_proj``. ``bias`` applies to every projection;
+    ``out_bias`` (default: ``bias``) overrides it for the output projection. ``dropout`` drops
+    attention weights in training mode only. ``causal`` is the default rule of ``forward``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        heads: int = 1,
+        *,
+        kv_heads: int | None = None,
+        head_dim: int | None = None,
+        d_context: int | None = None,
+        bias: bool = False,
+        dropout: float = 0.0,
+        causal: bool | str = False,
+        backend: str = "auto",
+        out_bias: bool | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.d_model = _checks.positive_int("d_model", d_model)
+        self.heads = _checks.positive_int("heads", heads)
+        self.kv_heads = heads if kv_heads is None else _checks.positive_int("kv_heads", kv_heads)
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"heads must be a multiple of kv_heads, got heads={heads}, kv_heads={kv_heads}"
+            )
+        if head_dim is None and d_model % heads:
+            raise ValueError(
+                f"d_model must be divisible by heads (or give head_dim), got d_model={d_model}, "
+                f"heads={heads}"
+            )
+        self.head_dim = (
+            d_model // heads if head_dim is None else _checks.positive_int("head_dim", head_dim)
+        )
+        self.d_context = (
+            d_model if d_context is None else _checks.positive_int("d_context", d_context)
+        )
+        _checks.boolean("bias", bias)
+        out_bias = bias if out_bias is None else _checks.boolean("out_bias", out_bias)
+        self.dropout = _checks.probability("dropout", dropout)
+        self.causal = _checks.choice("causal", causal, masks.CAUSAL_VALUES)
+        self.backend = _checks.choice("backend", backend, backends.NAMES)
+
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.q_proj: nn.Linear | None = None
+        self.kv_proj: nn.Linear | None = None
+        self.qkv_proj: nn.Linear | None = None
+        if self.d_context == self.d_model:  # self-attention: one fused projection
+            self.qkv_proj = nn.Linear(d_model, q_size + 2 * kv_size, bias=bias, **factory)
+        else:  # cross-attention only: queries from x, keys and values from context
+            self.q_proj = nn.Linear(d_model, q_size, bias=bias, **factory)
+            self.kv_proj = nn.Linear(self.d_context, 2 * kv_size, bias=bias, **factory)
+        self.out_proj = nn.Linear(q_size, d_model, bias=out_bias, **factory)
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_model={self.d_model}, heads={self.heads}, kv_heads={self.kv_heads}, "
+            f"head_dim={self.head_dim}, d_context={self.d_context}, dropout={self.dropout}, "
+            f"causal={self.causal!r}, backend={self.backend!r}"
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = None,
+        *,
+        mask: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
+        causal: bool | str | None = None,
+        cache: KVCache | None = None,
+        return_weights: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: (B, L, E) or (L, E); context: (B, S, C) or (S, C) for cross-attention.
+
+        ``mask`` (True = may attend, or float added) broadcasts to (B, H, L, S); ``padding_mask``
+        is (B, S) bool or 0/1 with True/1 at real key tokens; ``cache`` appends this call's keys
+        and values and attends to all of them (with ``context``, the context's keys and values
+        are cached on the first call and reused afterwards). Returns (B, L, E) [, weights
+        (B, H, L, S)], unbatched if x was.
+        """
+        unbatched = self._check_inputs(x, context)
+        causal = (
+            self.causal if causal is None else _checks.choice("causal", causal, masks.CAUSAL_VALUES)
+        )
+        if cache is not None and not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a qkv.KVCache, got {type(cache).__name__}")
+        if unbatched:
+            x = x.unsqueeze(0)
+            context = None if context is None else context.unsqueeze(0)
+            padding_mask = None if padding_mask is None else _as_batched(padding_mask)
+
+        q, k, v = self._project(x, context, cache)  # (B, H, L, D), (B, Hkv, S, D) x 2
+        if padding_mask is not None:
+            padding_mask = self._padding_mask(padding_mask, q.shape[0], k.shape[-2])
+        result = attention(
+            q,
+            k,
+            v,
+            mask=masks.combine(mask, padding_mask),
+            causal=causal,
+            dropout_p=self.dropout if self.training else 0.0,
+            return_weights=return_weights,
+            backend=self.backend,
+        )
+        out, weights = result if isinstance(result, tuple) else (result, None)
+        batch, _, length, _ = out.shape
+        out = self.out_proj(out.transpose(1, 2).reshape(batch, length, -1))  # (B, L, E)
+        if unbatched:
+            out = out.squeeze(0)
+            weights = None if weights is None else weights.squeeze(0)
+        return (out, weights) if weights is not None else out
+
+    def _project(
+        self, x: torch.Tensor, context: torch.Tensor | None, cache: KVCache | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q from x; K, V from context (cross) or x (self), through the cache if given."""
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        if context is None:  # self-attention: one matmul gives Q, K and V
+            assert self.qkv_proj is not None
+            q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        else:
+            q = self.q_proj(x) if self.q_proj is not None else _rows(self.qkv_proj, x, 0, q_size)
+            if cache is not None and len(cache) > 0:  # the context was projected and cached
+                return _split_heads(q, self.heads), cache.keys, cache.values
+            kv = (
+                self.kv_proj(context)
+                if self.kv_proj is not None
+                else _rows(self.qkv_proj, context, q_size, q_size + 2 * kv_size)
+            )
+            k, v = kv.split([kv_size, kv_size], dim=-1)
+        q = _split_heads(q, self.heads)  # (B, H, L, D)
+        k, v = _split_heads(k, self.kv_heads), _split_heads(v, self.kv_heads)  # (B, Hkv, S, D)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        return q, k, v
+
+    def _check_inputs(self, x: Any, context: Any) -> bool:
+        """Check x and context against the layer; True if they are unbatched."""
+        weight = self.out_proj.weight
+        _checks.tensor("x", x, ndims=(2, 3))
+        _checks.floating("x", x)
+        if x.shape[-1] != self.d_model:
+            raise ValueError(
+                f"x must have d_model={self.d_model} features in its last dim, got "
+                f"{_checks.shape_str(x.shape)}"
+            )
+        tensors, names = [x], ["x"]
+        if context is None:
+            if self.qkv_proj is None:
+                raise ValueError(
+                    f"context is required: this layer has d_context={self.d_context} != "
+                    f"d_model={self.d_model}, so it only does cross-attention"
+                )
+        else:
+            _checks.tensor("context", context, ndims=(x.dim(),))
+            if context.shape[-1] != self.d_context:
+                raise ValueError(
+                    f"context must have d_context={self.d_context} features in its last dim, "
+                    f"got {_checks.shape_str(context.shape)}"
+                )
+            if x.dim() == 3 and context.shape[0] != x.shape[0]:
+                raise ValueError(
+                    f"context batch size must match x's, got x {_checks.shape_str(x.shape)} and "
+                    f"context {_checks.shape_str(context.shape)}"
+                )
+            tensors.append(context)
+            names.append("context")
+        for name, tensor in zip(names, tensors):
+            if tensor.dtype != weight.dtype:
+                raise TypeError(
+                    f"{name} must have the layer's dtype {weight.dtype}, got {tensor.dtype}"
+                )
+            _checks.same_device((name, "layer weights"), (tensor, weight))
+        return x.dim() == 2
+
+    @staticmethod
+    def _padding_mask(padding_mask: Any, batch: int, keys: int) -> torch.Tensor:
+        _checks.tensor("padding_mask", padding_mask, ndims=(2,))
+        if tuple(padding_mask.shape) != (batch, keys):
+            raise ValueError(
+                f"padding_mask must have shape (B, S) = ({batch}, {keys}), got "
+                f"{_checks.shape_str(padding_mask.shape)}"
+            )
+        try:
+            return masks.padding_mask(padding_mask)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"padding_mask: {error}") from None
+
+
+def _as_batched(padding_mask: Any) -> Any:
+    """An unbatched layer call takes an (S,) padding mask."""
+    return padding_mask.unsqueeze(0) if isinstance(padding_mask, torch.Tensor) else padding_mask
+
+
+def _rows(layer: nn.Linear | None, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Output features start:stop of a linear layer (a slice of the fused QKV projection)."""
+    assert layer is not None
+    bias = None if layer.bias is None else layer.bias[start:stop]
+    return nn.functional.linear(x, layer.weight[start:stop], bias)
+
+
+def _split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, L, heads * D) -> (B, heads, L, D)."""
+    batch, length, _ = x.shape
+    return x.view(batch, length, heads, -1).transpose(1, 2)
