@@ -216,7 +216,8 @@ class SelfAttention(nn.Module):
         )
         out, weights = result if isinstance(result, tuple) else (result, None)
         batch, _, length, _ = out.shape
-        out = self.out_proj(out.transpose(1, 2).reshape(batch, length, -1))  # (B, L, E)
+        out = out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim)
+        out = self.out_proj(out)  # (B, L, E)
         if unbatched:
             out = out.squeeze(0)
             weights = None if weights is None else weights.squeeze(0)
@@ -313,5 +314,5 @@ def _rows(layer: nn.Linear | None, x: torch.Tensor, start: int, stop: int) -> to
 
 def _split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     """(B, L, heads * D) -> (B, heads, L, D)."""
-    batch, length, _ = x.shape
-    return x.view(batch, length, heads, -1).transpose(1, 2)
+    batch, length, features = x.shape
+    return x.view(batch, length, heads, features // heads).transpose(1, 2)

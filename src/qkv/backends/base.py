@@ -31,7 +31,7 @@ class Call:
     @property
     def groups(self) -> int:
         """Query heads per key/value head (1: multi-head; Hq: multi-query)."""
-        return self.q.shape[-3] // self.k.shape[-3]
+        return self.q.shape[-3] // self.k.shape[-3] if self.k.shape[-3] else 1
 
     @property
     def scores_shape(self) -> tuple[int, ...]:
