@@ -1,0 +1,4 @@
+"""Bridges from qkv to other libraries; each is imported only when used.
+
+- ``qkv.integrations.huggingface``: ``attn_implementation="qkv"`` for transformers models.
+"""
