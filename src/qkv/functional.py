@@ -8,13 +8,15 @@ S/Lk key length, D features (Dk query/key, Dv value).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Literal, overload
 
 import torch
 
-from qkv import _checks, backends, masks, trace
+from qkv import _checks, backends, masks
 from qkv.backends.base import Call
+from qkv.trace import current as current_recorder
 
 Causal = bool | Literal["bottom-right", "top-left"]
 
@@ -92,9 +94,11 @@ def attention(
         return_weights=return_weights,
         backend=backend,
     )
-    recorder = trace.current()
+    recorder = current_recorder()  # an active qkv.trace() records the call
     if recorder is not None and recorder.wants_weights and not call.return_weights:
-        call = Call(**{**call.__dict__, "return_weights": True})
+        with_weights = dataclasses.replace(call, return_weights=True)
+        if backend == "auto" or backends.why_not(backend, with_weights) is None:
+            call = with_weights  # the weights recorded are the ones the output comes from
     out, weights = backends.run(call, backend)
     if recorder is not None:
         recorder.record(call, out, weights)
@@ -139,6 +143,11 @@ def _canonical_call(
     _checks.choice("backend", backend, backends.NAMES)
     _checks.boolean("return_weights", return_weights)
     dropout_p = _checks.probability("dropout_p", dropout_p)
+    if scale is None and q.shape[-1] == 0:
+        raise ValueError(
+            f"the default scale 1/sqrt(Dk) needs Dk >= 1 features, got q "
+            f"{_checks.shape_str(q.shape)}; pass scale= explicitly"
+        )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _checks.finite_float("scale", scale)
 
     # A missing head dim: (*batch, L, D) is attention with one head.
@@ -150,15 +159,11 @@ def _canonical_call(
     lq, lk = q.shape[-2], k.shape[-2]
     scores_shape = Call(q, k, v, None, None, scale, dropout_p, return_weights).scores_shape
     if mask is not None:
-        _checks.tensor("mask", mask)
-        if mask.dtype != torch.bool and not mask.is_floating_point():
-            raise TypeError(
-                f"mask must be bool (True = may attend) or floating (added to scores), got "
-                f"{mask.dtype}; convert 0/1 masks with mask.bool()"
-            )
-        _checks.same_device(("q", "mask"), (q, mask))
         target = scores_shape[1:] if squeeze_head else scores_shape
-        _checks.broadcastable("mask", mask.shape, target, "(*batch, Hq, Lq, Lk)")
+        _checks.mask("mask", mask, target, "(*batch, Hq, Lq, Lk)")
+        _checks.same_device(("q", "mask"), (q, mask))
+        if mask.dim() < 2:  # backends slice the (Lq, Lk) dims: a 0-d or (Lk,) mask gets both
+            mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
     offset = masks.causal_offset(causal, lq, lk)
     return Call(q, k, v, mask, offset, scale, dropout_p, return_weights), squeeze_head
 
@@ -185,7 +190,7 @@ def _broadcast_heads(
     if hq == 1 and hkv > 1:
         q = q.expand(*q.shape[:-3], hkv, *q.shape[-2:])
         hq = hkv
-    if hq % hkv != 0:
+    if (hq % hkv if hkv else hq) != 0:
         raise ValueError(
             f"q heads (dim -3) must equal or be a multiple of k/v heads, got q "
             f"{_checks.shape_str(q.shape)} with {hq} heads and k {_checks.shape_str(k.shape)} "
