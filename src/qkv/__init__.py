@@ -20,3 +20,14 @@ __all__ = [
     "trace",
 ]
 __version__ = "0.1.0"
+
+# Submodules with heavier dependencies load on first use: qkv.viz (matplotlib), qkv.distributed.
+_LAZY_SUBMODULES = ("distributed", "integrations", "pretrained", "viz")
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"qkv.{name}")
+    raise AttributeError(f"module 'qkv' has no attribute {name!r}")
