@@ -105,6 +105,19 @@ def choice(name: str, value: Any, options: Sequence[Any]) -> Any:
     return value
 
 
+def mask(name: str, x: Any, target: Sequence[int], target_desc: str) -> torch.Tensor:
+    """An attention mask: bool (True = may attend) or floating (added to the scores) that
+    broadcasts to ``target``."""
+    tensor(name, x)
+    if x.dtype != torch.bool and not x.is_floating_point():
+        raise TypeError(
+            f"{name} must be bool (True = may attend) or floating (added to scores), got "
+            f"{x.dtype}; convert 0/1 masks with {name}.bool()"
+        )
+    broadcastable(name, x.shape, target, target_desc)
+    return x
+
+
 def broadcastable(name: str, shape: Sequence[int], target: Sequence[int], target_desc: str) -> None:
     """``shape`` must broadcast to ``target`` (torch rules, without growing ``target``)."""
     ok = len(shape) <= len(target) and all(

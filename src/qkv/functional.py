@@ -47,6 +47,19 @@ def attention(
     return_weights: Literal[True],
     backend: str = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = ...,
+    causal: Causal = ...,
+    scale: float | None = ...,
+    dropout_p: float = ...,
+    return_weights: bool = ...,
+    backend: str = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,

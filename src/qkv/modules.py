@@ -60,6 +60,14 @@ class KVCache:
         """Add this step's keys and values; return everything cached (keys, values)."""
         _checks.tensor("k", k, ndims=(4,))
         _checks.tensor("v", v, ndims=(4,))
+        _checks.floating("k", k)
+        _checks.same_dtype(("k", "v"), (k, v))
+        _checks.same_device(("k", "v"), (k, v))
+        if k.shape[:-1] != v.shape[:-1]:
+            raise ValueError(
+                f"k and v must agree in (B, Hkv, L), got k {_checks.shape_str(k.shape)} and v "
+                f"{_checks.shape_str(v.shape)}"
+            )
         if self._keys is not None:
             cached = self.keys
             for name, new, old in (("k", k, cached), ("v", v, self.values)):
@@ -201,9 +209,17 @@ class SelfAttention(nn.Module):
             context = None if context is None else context.unsqueeze(0)
             padding_mask = None if padding_mask is None else _as_batched(padding_mask)
 
-        q, k, v = self._project(x, context, cache)  # (B, H, L, D), (B, Hkv, S, D) x 2
+        # Masks are checked before the cache grows, so a rejected call leaves the cache as it was.
+        batch, length = x.shape[:2]
+        cached = 0 if cache is None else len(cache)
+        reuse_context = context is not None and cached > 0  # cross-attention: keys are cached
+        keys = cached + (0 if reuse_context else (x if context is None else context).shape[1])
+        if mask is not None:  # checked here too: it is combined with padding_mask below
+            scores_shape = (batch, self.heads, length, keys)
+            _checks.mask("mask", mask, scores_shape, "(B, heads, L, S)")
         if padding_mask is not None:
-            padding_mask = self._padding_mask(padding_mask, q.shape[0], k.shape[-2])
+            padding_mask = self._padding_mask(padding_mask, batch, keys)
+        q, k, v = self._project(x, context, cache)  # (B, H, L, D), (B, Hkv, S, D) x 2
         result = attention(
             q,
             k,
@@ -215,7 +231,6 @@ class SelfAttention(nn.Module):
             backend=self.backend,
         )
         out, weights = result if isinstance(result, tuple) else (result, None)
-        batch, _, length, _ = out.shape
         out = out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim)
         out = self.out_proj(out)  # (B, L, E)
         if unbatched:

@@ -25,6 +25,14 @@ def why_not(call: Call) -> str | None:
         return "this torch has no grouped-query support in scaled_dot_product_attention"
     if call.q.shape[-2] == 0 or call.k.shape[-2] == 0:
         return "torch's fused kernel does not take empty sequences"
+    masked = call.mask is not None or call.causal_offset is not None
+    if masked and not (bool(call.q.isfinite().all()) and bool(call.k.isfinite().all())):
+        # torch adds -inf to blocked scores, and NaN + -inf is NaN: a NaN or Inf in q or k would
+        # reach rows that may not attend it (qkv blocks a score by replacing it).
+        return (
+            "q or k holds NaN or Inf, which torch's kernel would spread past the mask; "
+            'use backend="reference"'
+        )
     return None
 
 

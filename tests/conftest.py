@@ -1,0 +1,48 @@
+"""Shared test set-up: a reproducible hypothesis profile, seeded torch, the backend fixture.
+
+hypothesis profiles: "ci" (the default: derandomized, so every run draws the same examples) and
+"thorough" (many more examples, random); pick one with QKV_HYPOTHESIS_PROFILE=thorough.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from oracle import BACKENDS
+
+settings.register_profile(
+    "ci",
+    deadline=None,
+    max_examples=20,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    # The function-scoped fixtures here (a backend name, a seed) hold no state between examples.
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.register_profile(
+    "thorough",
+    deadline=None,
+    max_examples=500,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.load_profile(os.environ.get("QKV_HYPOTHESIS_PROFILE", "ci"))
+
+# Test tensors are tiny: a second intra-op thread only adds hand-over cost, and on a busy or
+# shared 2-core machine (or under pytest-xdist) it makes each small op many times slower.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    """Every test starts from the same random state."""
+    torch.manual_seed(0)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """Each of qkv's backends, and "auto"."""
+    return request.param
