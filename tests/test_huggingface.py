@@ -26,15 +26,6 @@ VOCAB = 96
 NAME = huggingface.register()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small tensors: a second OpenMP thread only adds wake-up latency on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def configs() -> dict[str, tuple[type, object]]:
     small = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     return {

@@ -23,15 +23,6 @@ KDIM, VDIM = 5, 6
 ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: a second OpenMP thread only adds wake-up latency on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 OPTIONS = list(itertools.product([False, True], repeat=7))
 OPTION_IDS = [
     "-".join(name for name, on in zip(("bias", "bkv", "zero", "kvdim", "bf", "nw", "avg"), o) if on)

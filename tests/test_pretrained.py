@@ -24,17 +24,8 @@ SENTENCES = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Keep to one thread: the CI machine is shared and has two cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def minilm(one_thread):
+def minilm():
     return pretrained.load_minilm()
 
 
