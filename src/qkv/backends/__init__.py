@@ -36,9 +36,27 @@ def why_not(name: str, call: Call) -> str | None:
 def choose(call: Call) -> str:
     """The backend ``"auto"`` uses: the fastest one that supports the call.
 
-    torch's fused kernel first, then the reference computation (needed for weights).
+    The rule, from ``qkv bench --auto`` on a 2-core x86 CPU with torch 2.13 (the table is in
+    docs/performance.md):
+
+    - Few queries for the keys (Lq <= 64, or Lq <= Lk / 8) under a mask or a causal rule that
+      is not top-left, as when decoding or prefilling a chunk against a KV cache: ``"flash"``.
+      torch's kernel needs such a rule as an explicit mask, which costs it more than flash's
+      tiles (one query against 1024 cached keys: flash 1.1 ms, sdpa 2.5 ms).
+    - Otherwise ``"sdpa"``: torch's fused kernel was faster than flash on every other case
+      measured (forward and backward; float32, bfloat16, float16, float64; padding masks;
+      grouped heads; T from 64 to 16384).
+    - When that backend cannot run the call, the next one that can: ``"flash"`` for empty
+      sequences and NaN/Inf under a mask (which sdpa refuses), ``"sdpa"`` for dropout (which
+      flash refuses), and ``"reference"``, the only backend that returns the weights.
     """
-    for name in ("sdpa", "reference"):
+    lq, lk = call.q.shape[-2], call.k.shape[-2]
+    masked = call.mask is not None or call.causal_offset not in (None, 0)
+    if masked and (lq <= 64 or 8 * lq <= lk):
+        order = ("flash", "sdpa", "reference")
+    else:
+        order = ("sdpa", "flash", "reference")
+    for name in order:
         if why_not(name, call) is None:
             return name
     return "reference"

@@ -1,0 +1,409 @@
+"""The flash backend's own machinery: tiles, its forward/backward kernel API, memory.
+
+The contract itself (masks, causal rules, dtypes, NaN, empty inputs...) is checked for every
+backend, flash included, in test_functional.py. Here: tile boundaries and skipped tiles, the
+log-sum-exp, ``backward`` against autograd, the block-split property ring attention relies on,
+gradcheck, memory that stays below one score matrix, and the rule "auto" follows.
+Legend: B batch, H heads, Lq query length, Lk key length, D features.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from oracle import oracle
+from torch.profiler import ProfilerActivity, profile
+
+import qkv
+from qkv import backends
+from qkv.backends import flash
+from qkv.backends.base import Call, Unsupported
+
+f64 = torch.float64
+
+
+@pytest.fixture
+def tiny_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiles of 5 queries × 7 keys, so that small inputs cross many tile boundaries."""
+    monkeypatch.setattr(flash, "QUERY_TILE", 5)
+    monkeypatch.setattr(flash, "KEY_TILE", 7)
+
+
+def randn(*shape: int, dtype: torch.dtype = f64) -> torch.Tensor:
+    return torch.randn(shape, dtype=f64).to(dtype)
+
+
+def reference_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    scale: float,
+    causal_offset: int | None,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """(*B, Hq, Lq) log-sum-exp of the scaled, masked scores, in float64 (−inf: no key)."""
+    k = k.double().repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    scores = q.double() @ k.transpose(-2, -1) * scale
+    lq, lk = scores.shape[-2:]
+    if mask is not None and mask.dtype != torch.bool:
+        scores = scores + mask.double()
+    keep = torch.ones(lq, lk, dtype=torch.bool)
+    if causal_offset is not None:
+        keep = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + causal_offset
+    if mask is not None:
+        keep = keep & (mask if mask.dtype == torch.bool else mask != -math.inf)
+    return scores.masked_fill(~keep, -math.inf).logsumexp(dim=-1)
+
+
+# --- tiles -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lq, lk", [(1, 1), (5, 7), (6, 8), (13, 29), (29, 13), (11, 0)])
+@pytest.mark.parametrize("causal", [False, True, "top-left"])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+def test_sizes_that_are_not_multiples_of_the_tile(
+    tiny_tiles: None, lq: int, lk: int, causal: bool | str, mask_kind: str | None
+) -> None:
+    q, k, v = randn(2, 4, lq, 6), randn(2, 2, lk, 6), randn(2, 2, lk, 3)  # grouped heads, Dv≠Dk
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(2, 1, lq, lk) > 0.4
+        mask[..., 0, :] = False  # a row with no key
+    elif mask_kind == "float":
+        mask = randn(lq, lk).masked_fill(torch.rand(lq, lk) < 0.4, -math.inf)
+    out = qkv.attention(q, k, v, mask=mask, causal=causal, backend="flash")
+    expected, _ = oracle(q, k, v, mask=mask, causal=causal)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("lq, lk", [(17, 17), (9, 23), (23, 9)])
+@pytest.mark.parametrize("causal", [True, "top-left"])
+def test_causal_tiles_above_the_diagonal_are_skipped(
+    tiny_tiles: None, monkeypatch: pytest.MonkeyPatch, lq: int, lk: int, causal: bool | str
+) -> None:
+    computed: list[tuple[int, int, int, int]] = []
+    scores = flash._Tiles.scores
+
+    def recording(self, q_rows, q0, q1, k0, k1):  # type: ignore[no-untyped-def]
+        computed.append((q0, q1, k0, k1))
+        return scores(self, q_rows, q0, q1, k0, k1)
+
+    monkeypatch.setattr(flash._Tiles, "scores", recording)
+    q, k, v = randn(1, 2, lq, 4), randn(1, 2, lk, 4), randn(1, 2, lk, 4)
+    out = qkv.attention(q, k, v, causal=causal, backend="flash")
+    torch.testing.assert_close(out, oracle(q, k, v, causal=causal)[0], atol=1e-12, rtol=1e-12)
+
+    offset = lk - lq if causal is True else 0
+    allowed = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + offset  # (Lq, Lk)
+    covered = torch.zeros(lq, lk, dtype=torch.bool)
+    for q0, q1, k0, k1 in computed:
+        assert allowed[q0:q1, k0:k1].any(), f"tile {(q0, q1, k0, k1)} lies above the diagonal"
+        covered[q0:q1, k0:k1] = True
+    assert bool((covered | ~allowed).all()), "an allowed pair was never computed"
+    whole = math.ceil(lq / 5) * math.ceil(lk / 7)
+    assert len(computed) < whole, "no tile was skipped"
+
+
+def test_decoding_one_query_is_a_single_tile(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    scores = flash._Tiles.scores
+    monkeypatch.setattr(
+        flash._Tiles, "scores", lambda self, *a: calls.append(a[1:]) or scores(self, *a)
+    )
+    q, k, v = randn(2, 8, 1, 16), randn(2, 2, 3000, 16), randn(2, 2, 3000, 16)
+    out = qkv.attention(q, k, v, causal=True, backend="flash")
+    assert calls == [(0, 1, 0, 3000)]
+    torch.testing.assert_close(out, oracle(q, k, v, causal=True)[0], atol=1e-12, rtol=1e-12)
+
+
+def test_grouped_heads_do_not_copy_keys_and_values() -> None:
+    q, k, v = randn(2, 8, 3, 4), randn(2, 2, 5, 4), randn(2, 2, 5, 4)
+    heads = flash._Heads.of(q, k, v, scale=0.5)
+    assert heads.k.data_ptr() == k.data_ptr() and heads.k.shape == (4, 5, 4)
+    assert heads.v.data_ptr() == v.data_ptr() and heads.v.shape == (4, 5, 4)
+    assert heads.q.shape == (4, 4, 3, 4)  # (N, g, Lq, Dk)
+
+
+# --- the kernel API ----------------------------------------------------------------------------
+
+
+def with_offset(mask: torch.Tensor | None, offset: int | None, lq: int, lk: int) -> torch.Tensor:
+    """``mask`` and the causal rule ``j <= i + offset`` as one mask (for the oracle)."""
+    keep = torch.ones(lq, lk, dtype=torch.bool)
+    if offset is not None:
+        keep = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + offset
+    if mask is None:
+        return keep
+    if mask.dtype == torch.bool:
+        return mask & keep
+    return mask.masked_fill(~keep, -math.inf)
+
+
+@pytest.mark.parametrize(
+    "offset, mask_kind", [(None, "bool"), (0, "bool"), (3, "float"), (-2, None)]
+)
+def test_forward_returns_out_and_the_log_sum_exp(
+    tiny_tiles: None, offset: int | None, mask_kind: str | None
+) -> None:
+    lq, lk = 9, 12
+    q, k, v = randn(2, 4, lq, 5), randn(2, 2, lk, 5), randn(2, 2, lk, 3)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(lq, lk) > 0.3
+        mask[4] = False
+    elif mask_kind == "float":
+        mask = randn(2, 4, lq, lk).masked_fill(torch.rand(2, 4, lq, lk) < 0.3, -math.inf)
+        mask[1, 2, 6] = -math.inf
+    with torch.enable_grad():
+        out, lse = flash.forward(
+            q.requires_grad_(), k, v, scale=0.3, causal_offset=offset, mask=mask
+        )
+    assert not out.requires_grad and not lse.requires_grad  # no graph is built
+    expected_lse = reference_lse(q, k, scale=0.3, causal_offset=offset, mask=mask)
+    torch.testing.assert_close(lse, expected_lse, atol=1e-12, rtol=1e-12)
+    expected, _ = oracle(q, k, v, mask=with_offset(mask, offset, lq, lk), scale=0.3)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-12)
+    empty = torch.isneginf(lse)
+    assert bool(empty.any()), "the case should have a row with no key"
+    assert bool((out[empty] == 0).all())  # rows with no key are exactly 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_forward_computes_low_precision_in_float32(dtype: torch.dtype) -> None:
+    q, k, v = randn(1, 2, 20, 8, dtype=dtype), randn(1, 2, 20, 8, dtype=dtype), randn(1, 2, 20, 8)
+    out, lse = flash.forward(q, k, v.to(dtype), scale=0.35)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    expected = oracle(q, k, v.to(dtype), scale=0.35)[0]
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("offset", [None, 0, 4])
+def test_backward_matches_autograd_of_the_oracle(tiny_tiles: None, offset: int | None) -> None:
+    lq, lk = 11, 15
+    q, k, v = randn(2, 6, lq, 5), randn(2, 3, lk, 5), randn(2, 3, lk, 4)
+    mask = torch.rand(2, 1, lq, lk) > 0.3
+    mask[0, 0, 3] = False  # a row with no key gets zero gradient
+    grad_out = randn(2, 6, lq, 4)
+    out, lse = flash.forward(q, k, v, scale=0.4, causal_offset=offset, mask=mask)
+    dq, dk, dv = flash.backward(
+        q, k, v, out, grad_out, lse, scale=0.4, causal_offset=offset, mask=mask
+    )
+
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    expected_out, _ = oracle(*leaves, mask=with_offset(mask, offset, lq, lk), scale=0.4)
+    torch.testing.assert_close(out, expected_out, atol=1e-12, rtol=1e-12)
+    expected = torch.autograd.grad(expected_out, leaves, grad_out)
+    for got, want in zip((dq, dk, dv), expected):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    assert bool((dq[0, :, 3] == 0).all())
+
+
+@pytest.mark.parametrize("offset", [None, 0, 6])
+@pytest.mark.parametrize("split", [1, 6, 13])
+def test_key_blocks_merge_by_lse_and_their_gradients_add_up(
+    tiny_tiles: None, offset: int | None, split: int
+) -> None:
+    """Ring attention's contract: attention over keys [0, s) and [s, Lk) separately, merged by
+    their log-sum-exps, is attention over all keys; ``backward`` of each block, given the final
+    out and lse, gives that block's dk/dv, and the blocks' dq add up to the full dq."""
+    lq, lk = 10, 14
+    q, k, v = randn(1, 4, lq, 6), randn(1, 2, lk, 6), randn(1, 2, lk, 5)
+    mask = torch.rand(lq, lk) > 0.25
+    mask[2, :] = False
+    grad_out = randn(1, 4, lq, 5)
+    full_out, full_lse = flash.forward(q, k, v, scale=0.5, causal_offset=offset, mask=mask)
+    full = flash.backward(
+        q, k, v, full_out, grad_out, full_lse, scale=0.5, causal_offset=offset, mask=mask
+    )
+
+    blocks = [(0, split), (split, lk)]
+    parts = []
+    for k0, k1 in blocks:
+        block_offset = None if offset is None else offset - k0  # key j of the block is k0 + j
+        parts.append((k0, k1, block_offset))
+    outs, lses = [], []
+    for k0, k1, block_offset in parts:
+        out, lse = flash.forward(
+            q,
+            k[..., k0:k1, :],
+            v[..., k0:k1, :],
+            scale=0.5,
+            causal_offset=block_offset,
+            mask=mask[:, k0:k1],
+        )
+        outs.append(out)
+        lses.append(lse)
+    lse = torch.logaddexp(*lses)
+    finite = torch.isfinite(lse)[..., None]
+    merged = sum(
+        torch.where(finite, o * torch.exp(part - lse)[..., None], 0.0)
+        for o, part in zip(outs, lses)
+    )
+    torch.testing.assert_close(lse, full_lse, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(merged, full_out, atol=1e-12, rtol=1e-12)
+
+    dq = torch.zeros_like(q)
+    dks, dvs = [], []
+    for k0, k1, block_offset in parts:
+        dq_part, dk_part, dv_part = flash.backward(
+            q,
+            k[..., k0:k1, :],
+            v[..., k0:k1, :],
+            full_out,
+            grad_out,
+            full_lse,
+            scale=0.5,
+            causal_offset=block_offset,
+            mask=mask[:, k0:k1],
+        )
+        dq += dq_part
+        dks.append(dk_part)
+        dvs.append(dv_part)
+    torch.testing.assert_close(dq, full[0], atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(torch.cat(dks, dim=-2), full[1], atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(torch.cat(dvs, dim=-2), full[2], atol=1e-12, rtol=1e-12)
+
+
+def test_backward_broadcasts_gradients_back_to_the_input_shapes() -> None:
+    q, k, v = randn(3, 2, 4, 5), randn(1, 2, 6, 5), randn(1, 2, 6, 5)  # k, v broadcast over B
+    out, lse = flash.forward(q, k, v, scale=0.4)
+    dq, dk, dv = flash.backward(q, k, v, out, torch.ones_like(out), lse, scale=0.4)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    expected = torch.autograd.grad(oracle(*leaves, scale=0.4)[0].sum(), leaves)
+    for got, want in zip((dq, dk, dv), expected):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+# --- autograd ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck(tiny_tiles: None, causal: bool) -> None:
+    q = randn(1, 4, 8, 3).requires_grad_()
+    k = randn(1, 2, 9, 3).requires_grad_()
+    v = randn(1, 2, 9, 2).requires_grad_()
+    mask = torch.rand(8, 9) > 0.3
+    mask[5] = False
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return qkv.attention(q, k, v, mask=mask, causal=causal, backend="flash")
+
+    assert torch.autograd.gradcheck(attend, (q, k, v))
+
+
+def test_autograd_saves_only_inputs_out_and_lse() -> None:
+    q, k, v = (randn(1, 2, 300, 8).requires_grad_() for _ in range(3))
+    out = qkv.attention(q, k, v, causal=True, backend="flash")
+    saved = out.grad_fn.saved_tensors
+    assert [tuple(t.shape) for t in saved] == [(1, 2, 300, 8)] * 4 + [(1, 2, 300)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_gradients_are_finite_and_zero_for_rows_without_keys(
+    dtype: torch.dtype,
+) -> None:
+    q, k, v = (randn(1, 2, 6, 4, dtype=dtype).requires_grad_() for _ in range(3))
+    mask = torch.ones(6, 6, dtype=torch.bool)
+    mask[2] = False
+    out = qkv.attention(q, k, v, mask=mask, backend="flash")
+    out.float().sum().backward()
+    assert out.dtype == dtype and q.grad is not None and q.grad.dtype == dtype
+    assert bool(torch.isfinite(q.grad).all()) and bool((q.grad[:, :, 2] == 0).all())
+    assert bool((out[:, :, 2] == 0).all())
+
+
+# --- memory --------------------------------------------------------------------------------------
+
+
+def _peak_live_bytes(run: object) -> int:
+    """Peak bytes of CPU tensors alive at once while ``run()`` executes (torch's profiler)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()  # type: ignore[operator]
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def test_causal_forward_backward_never_holds_a_score_matrix() -> None:
+    """At T = 2048 one (H, T, T) float32 score matrix is 32 MiB; flash's whole forward and
+    backward pass stays below a quarter of that. The same measurement sees the reference
+    backend's score matrices, so it can fail."""
+    t, heads = 2048, 2
+    q, k, v = (torch.randn(1, heads, t, 16, requires_grad=True) for _ in range(3))
+    score_matrix = heads * t * t * 4
+
+    def step(backend: str) -> None:
+        qkv.attention(q, k, v, causal=True, backend=backend).sum().backward()
+
+    assert _peak_live_bytes(lambda: step("flash")) < score_matrix / 4
+    assert _peak_live_bytes(lambda: step("reference")) > score_matrix
+
+
+# --- entry points and "auto" ---------------------------------------------------------------------
+
+
+def test_refusals_say_why() -> None:
+    q = randn(1, 2, 3, 4)
+    with pytest.raises(Unsupported, match="dropout"):
+        qkv.attention(q, q, q, dropout_p=0.1, backend="flash")
+    with pytest.raises(Unsupported, match="weights"):
+        qkv.attention(q, q, q, return_weights=True, backend="flash")
+    learned = torch.zeros(3, 3, dtype=f64, requires_grad=True)
+    with pytest.raises(Unsupported, match="float mask"):
+        qkv.attention(q, q, q, mask=learned, backend="flash")
+
+
+def _call(lq: int, lk: int, **kwargs: object) -> Call:
+    q, k = torch.randn(1, 2, lq, 4), torch.randn(1, 2, lk, 4)
+    fields = {"mask": None, "causal_offset": None, "scale": 0.5, "dropout_p": 0.0}
+    fields.update({"return_weights": False, **kwargs})
+    return Call(q, k, k, **fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "call, expected",
+    [
+        (_call(1, 300, causal_offset=299), "flash"),  # decoding against a cache
+        (_call(64, 300, mask=torch.ones(64, 300, dtype=torch.bool)), "flash"),
+        (_call(300, 300, causal_offset=0), "sdpa"),  # torch's is_causal
+        (_call(1, 300), "sdpa"),  # no mask to build
+        (_call(100, 300, causal_offset=200), "sdpa"),
+        (_call(100, 800, causal_offset=700), "flash"),  # few queries for the keys
+        (_call(0, 5), "flash"),  # empty: sdpa refuses
+        (_call(1, 300, causal_offset=299, dropout_p=0.1), "sdpa"),  # flash refuses dropout
+        (_call(1, 300, causal_offset=299, return_weights=True), "reference"),
+    ],
+)
+def test_auto_rule(call: Call, expected: str) -> None:
+    assert backends.choose(call) == expected
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    lq=st.integers(0, 12),
+    lk=st.integers(0, 12),
+    query_tile=st.integers(1, 6),
+    key_tile=st.integers(1, 6),
+    causal=st.sampled_from([False, True, "top-left"]),
+)
+def test_any_tiling_gives_the_same_answer(
+    lq: int, lk: int, query_tile: int, key_tile: int, causal: bool | str
+) -> None:
+    q, k, v = randn(2, 2, lq, 3), randn(2, 1, lk, 3), randn(2, 1, lk, 2)
+    mask = torch.rand(2, 2, lq, lk) > 0.3
+    expected, _ = oracle(q, k, v, mask=mask, causal=causal)
+    old = flash.QUERY_TILE, flash.KEY_TILE
+    flash.QUERY_TILE, flash.KEY_TILE = query_tile, key_tile
+    try:
+        out = qkv.attention(q, k, v, mask=mask, causal=causal, backend="flash")
+    finally:
+        flash.QUERY_TILE, flash.KEY_TILE = old
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-12)
