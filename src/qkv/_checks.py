@@ -118,6 +118,24 @@ def mask(name: str, x: Any, target: Sequence[int], target_desc: str) -> torch.Te
     return x
 
 
+def broadcast_shape(*shapes: Sequence[int]) -> tuple[int, ...] | None:
+    """The shape ``shapes`` broadcast to by torch's rules, or None if they do not broadcast.
+
+    Plain Python on tuples: it runs on every attention call, where ``torch.broadcast_shapes``
+    costs more than a whole decoding step's attention."""
+    first = tuple(shapes[0])
+    if all(tuple(shape) == first for shape in shapes[1:]):
+        return first
+    ndim = max(len(shape) for shape in shapes)
+    result = []
+    for dim in range(-ndim, 0):
+        sizes = {shape[dim] for shape in shapes if len(shape) >= -dim} - {1}
+        if len(sizes) > 1:
+            return None
+        result.append(sizes.pop() if sizes else 1)
+    return tuple(result)
+
+
 def broadcastable(name: str, shape: Sequence[int], target: Sequence[int], target_desc: str) -> None:
     """``shape`` must broadcast to ``target`` (torch rules, without growing ``target``)."""
     ok = len(shape) <= len(target) and all(

@@ -178,6 +178,10 @@ def _canonical_call(
         if mask.dim() < 2:  # backends slice the (Lq, Lk) dims: a 0-d or (Lk,) mask gets both
             mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
     offset = masks.causal_offset(causal, lq, lk)
+    if offset is not None and offset >= lk - 1:
+        # Every query may attend every key (e.g. one new token against a KV cache): the rule
+        # blocks nothing, and backends run fastest without one.
+        offset = None
     return Call(q, k, v, mask, offset, scale, dropout_p, return_weights), squeeze_head
 
 
@@ -185,13 +189,12 @@ def _broadcast_heads(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Check batch and head dims; k and v get one shape (*batch, Hkv, Lk, ·) by broadcasting."""
-    try:
-        kv_lead = torch.broadcast_shapes(k.shape[:-2], v.shape[:-2])
-    except RuntimeError:
+    kv_lead = _checks.broadcast_shape(k.shape[:-2], v.shape[:-2])
+    if kv_lead is None:
         raise ValueError(
             f"k and v leading (batch, head) dims must broadcast, got k {_checks.shape_str(k.shape)}"
             f" and v {_checks.shape_str(v.shape)}"
-        ) from None
+        )
     k = k.expand(*kv_lead, *k.shape[-2:])
     v = v.expand(*kv_lead, *v.shape[-2:])
     if q.dim() < 3 or k.dim() < 3:
@@ -209,11 +212,9 @@ def _broadcast_heads(
             f"{_checks.shape_str(q.shape)} with {hq} heads and k {_checks.shape_str(k.shape)} "
             f"with {hkv} heads"
         )
-    try:
-        torch.broadcast_shapes(q.shape[:-3], k.shape[:-3])
-    except RuntimeError:
+    if _checks.broadcast_shape(q.shape[:-3], k.shape[:-3]) is None:
         raise ValueError(
             f"q and k batch dims (all but the last three) must broadcast, got q "
             f"{_checks.shape_str(q.shape)} and k {_checks.shape_str(k.shape)}"
-        ) from None
+        )
     return q, k, v

@@ -56,16 +56,22 @@ def choose(call: Call) -> str:
         order = ("flash", "sdpa", "reference")
     else:
         order = ("sdpa", "flash", "reference")
+    reasons = []
     for name in order:
-        if why_not(name, call) is None:
+        reason = why_not(name, call)
+        if reason is None:
             return name
-    return "reference"
+        reasons.append(f"{name}: {reason}")
+    raise Unsupported("no backend can run this call (" + "; ".join(reasons) + ")")
 
 
 def run(call: Call, backend: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    name = choose(call) if backend == "auto" else backend
-    reason = why_not(name, call)
-    if reason is not None:
-        raise Unsupported(f'backend="{name}" cannot run this call: {reason}')
+    if backend == "auto":
+        name = choose(call)  # checked there: only a backend that can run the call is chosen
+    else:
+        name = backend
+        reason = why_not(name, call)
+        if reason is not None:
+            raise Unsupported(f'backend="{name}" cannot run this call: {reason}')
     out, weights = _module(name).attention(call)
     return out, weights

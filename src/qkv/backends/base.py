@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qkv import _checks
+
 
 class Unsupported(ValueError):
     """A backend cannot do this combination of arguments (the message says why and what to use)."""
@@ -36,7 +38,8 @@ class Call:
     @property
     def scores_shape(self) -> tuple[int, ...]:
         """(*batch, Hq, Lq, Lk) after broadcasting."""
-        batch = torch.broadcast_shapes(self.q.shape[:-3], self.k.shape[:-3], self.v.shape[:-3])
+        batch = _checks.broadcast_shape(self.q.shape[:-3], self.k.shape[:-3], self.v.shape[:-3])
+        assert batch is not None  # checked when the call was built
         return (*batch, self.q.shape[-3], self.q.shape[-2], self.k.shape[-2])
 
     @property
