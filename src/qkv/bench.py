@@ -42,8 +42,8 @@ import torch
 from torch import nn
 
 import qkv
-from qkv import masks
 from qkv.backends.base import Call
+from qkv.functional import _canonical_call
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PASSES = ("forward", "forward+backward")
@@ -659,10 +659,18 @@ def auto_benchmark(repeats: int, scenarios: dict[str, Any] | None = None) -> lis
 
 def _call_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any]) -> Call:
     """The call ``qkv.attention(q, k, v, **kwargs)`` hands its backend (4-dim inputs)."""
-    lq, lk = q.shape[-2], k.shape[-2]
-    offset = masks.causal_offset(kwargs.get("causal", False), lq, lk)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    return Call(q, k, v, kwargs.get("mask"), offset, scale, 0.0, False)
+    call, _ = _canonical_call(
+        q,
+        k,
+        v,
+        mask=kwargs.get("mask"),
+        causal=kwargs.get("causal", False),
+        scale=None,
+        dropout_p=0.0,
+        return_weights=False,
+        backend="auto",
+    )
+    return call
 
 
 def _format_auto(rows: Sequence[dict[str, Any]]) -> str:
