@@ -36,6 +36,7 @@ from qkv.distributed import (
     shard,
     unshard,
 )
+from qkv.distributed import ring as ring_module
 
 # --- running a function on a group of processes ---------------------------------------------
 
@@ -228,6 +229,15 @@ CASES: dict[str, dict[str, Any]] = {
 
 # Cases also run on the group of even and the group of odd ranks, side by side.
 SUBGROUP_CASES = ("gqa causal padding zigzag f64", "causal zigzag padding f32")
+# Cases also run with the kernels called on pieces of at most 3 positions (uneven, some of them
+# entirely in the future and skipped) instead of whole blocks.
+PIECE_CASES = (
+    "causal f64",
+    "gqa causal padding zigzag f64",
+    "bottom-right Lq<Lk f64",
+    "bottom-right Lq>Lk zigzag f64",
+    "top-left Lq<Lk zigzag f64",
+)
 
 
 def _count_work(rank: int, world_size: int) -> dict[str, float]:
@@ -261,13 +271,17 @@ def _suite(rank: int, world_size: int) -> dict[str, Any]:
     parity, _ = dist.new_subgroups_by_enumeration(
         [list(range(start, world_size, 2)) for start in (0, 1)]
     )
-    runs = [(name, name, None) for name in CASES]
-    runs += [(f"{name} on a subgroup", name, parity) for name in SUBGROUP_CASES]
-    for label, name, group in runs:
+    runs = [(name, name, None, None) for name in CASES]
+    runs += [(f"{name} on a subgroup", name, parity, None) for name in SUBGROUP_CASES]
+    runs += [(f"{name} in pieces", name, None, 3) for name in PIECE_CASES]
+    whole = ring_module._PIECE
+    for label, name, group, piece in runs:
+        ring_module._PIECE = whole if piece is None else piece
         try:
             results[label] = _case(**CASES[name], group=group)
         except Exception:
             results[label] = {"error": traceback.format_exc()}
+    ring_module._PIECE = whole
     results["work"] = _count_work(rank, world_size)
     return results
 
@@ -279,7 +293,11 @@ def test_ring_attention_equals_attention_on_the_whole_sequence(
     results = _launch(world_size, _suite, tmp_path, wait=80)
     assert sorted(results) == list(range(world_size)), "some ranks gave no result"
     failures = []
-    labels = [*CASES, *(f"{name} on a subgroup" for name in SUBGROUP_CASES)]
+    labels = [
+        *CASES,
+        *(f"{name} on a subgroup" for name in SUBGROUP_CASES),
+        *(f"{name} in pieces" for name in PIECE_CASES),
+    ]
     for label in labels:
         for rank in range(world_size):
             errors = results[rank][label]
@@ -383,8 +401,13 @@ def test_ring_attention_needs_an_initialised_process_group() -> None:
         ring_attention(x, x, x)
 
 
+@pytest.mark.parametrize("piece", [None, 2])
 @pytest.mark.parametrize("causal", [False, True, "top-left"])
-def test_one_rank_equals_attention(one_process_group: None, causal: Any) -> None:
+def test_one_rank_equals_attention(
+    one_process_group: None, causal: Any, piece: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if piece is not None:  # the kernels called on pieces of 2 positions, not the whole shard
+        monkeypatch.setattr(ring_module, "_PIECE", piece)
     generator = torch.Generator().manual_seed(2)
     q = torch.randn(2, 4, 5, 8, dtype=torch.float64, generator=generator, requires_grad=True)
     k = torch.randn(2, 2, 7, 8, dtype=torch.float64, generator=generator, requires_grad=True)

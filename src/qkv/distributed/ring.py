@@ -182,6 +182,41 @@ def _keys(mask: torch.Tensor | None, chunk: layouts.Chunk) -> torch.Tensor | Non
     return mask.narrow(-1, chunk.local, chunk.size)
 
 
+# The flash kernels are called on pieces of at most this many query (and, in the backward, key)
+# positions. What one call allocates besides its result (its scaled copy of the queries, the keys
+# transposed, the gradients of its queries, keys and values) then stays bounded by the piece
+# instead of growing with the shard, and so does the temporary of each merge. A multiple of the
+# kernels' tiles (``flash.QUERY_TILE``, ``flash.KEY_TILE``), so the pieces cut no tile.
+_PIECE = 1024
+
+
+def _pieces(tile: layouts.Tile, *, split_keys: bool) -> Iterator[layouts.Tile]:
+    """``tile`` cut into runs of at most ``_PIECE`` queries (and keys, if ``split_keys``),
+    leaving out the pieces whose keys all lie in the future of their queries."""
+    key_runs = _runs(tile.k) if split_keys else [tile.k]
+    for rows in _runs(tile.q):
+        for keys in key_runs:
+            offset = tile.causal_offset
+            if offset is not None:
+                # query i of the piece is query i + a of the tile, key j is key j + b
+                # (a, b: where the piece's queries and keys start in the tile's)
+                offset += (rows.local - tile.q.local) - (keys.local - tile.k.local)
+                seen = rows.size + offset  # how many keys the piece's last query may attend
+                if seen <= 0:  # not even the last query sees the first key
+                    continue
+                if seen < keys.size:  # the keys after those are in the future of every query
+                    keys = layouts.Chunk(keys.local, keys.start, seen)
+            yield layouts.Tile(rows, keys, offset)
+
+
+def _runs(chunk: layouts.Chunk) -> list[layouts.Chunk]:
+    """``chunk`` cut into consecutive runs of at most ``_PIECE`` positions."""
+    return [
+        layouts.Chunk(chunk.local + a, chunk.start + a, min(_PIECE, chunk.size - a))
+        for a in range(0, chunk.size, _PIECE)
+    ]
+
+
 _KV_TAG, _GRAD_TAG = 0, 3  # message tags of the key/value blocks and of their gradients
 
 
@@ -232,17 +267,18 @@ def _ring_forward(
     lq, lk = q.shape[-2], k.shape[-2]
     for block in _travelling_blocks(plan, k, v, mask, lq):
         for tile in plan.tiles(block.source, lq, lk):
-            tile_out, tile_lse = flash.forward(
-                _rows(q, tile.q),
-                _rows(block.k, tile.k),
-                _rows(block.v, tile.k),
-                scale=plan.scale,
-                causal_offset=tile.causal_offset,
-                mask=_keys(block.mask, tile.k),
-            )
-            merge_(
-                _rows(out, tile.q), lse.narrow(-1, tile.q.local, tile.q.size), tile_out, tile_lse
-            )
+            for piece in _pieces(tile, split_keys=False):
+                piece_out, piece_lse = flash.forward(
+                    _rows(q, piece.q),
+                    _rows(block.k, piece.k),
+                    _rows(block.v, piece.k),
+                    scale=plan.scale,
+                    causal_offset=piece.causal_offset,
+                    mask=_keys(block.mask, piece.k),
+                )
+                rows = piece.q
+                lse_rows = lse.narrow(-1, rows.local, rows.size)
+                merge_(_rows(out, rows), lse_rows, piece_out, piece_lse)
     return out, lse
 
 
@@ -269,20 +305,21 @@ def _ring_backward(
             spare = [x.zero_() for x in spare]
         grad_k, grad_v = spare  # (*B, Hkv, S, Dk), (*B, Hkv, S, Dv)
         for tile in plan.tiles(block.source, lq, lk):
-            tile_dq, tile_dk, tile_dv = flash.backward(
-                _rows(q, tile.q),
-                _rows(block.k, tile.k),
-                _rows(block.v, tile.k),
-                _rows(out, tile.q),
-                _rows(grad_out, tile.q),
-                lse.narrow(-1, tile.q.local, tile.q.size),
-                scale=plan.scale,
-                causal_offset=tile.causal_offset,
-                mask=_keys(block.mask, tile.k),
-            )
-            _rows(grad_q, tile.q).add_(tile_dq)
-            _rows(grad_k, tile.k).add_(tile_dk)
-            _rows(grad_v, tile.k).add_(tile_dv)
+            for piece in _pieces(tile, split_keys=True):
+                piece_dq, piece_dk, piece_dv = flash.backward(
+                    _rows(q, piece.q),
+                    _rows(block.k, piece.k),
+                    _rows(block.v, piece.k),
+                    _rows(out, piece.q),
+                    _rows(grad_out, piece.q),
+                    lse.narrow(-1, piece.q.local, piece.q.size),
+                    scale=plan.scale,
+                    causal_offset=piece.causal_offset,
+                    mask=_keys(block.mask, piece.k),
+                )
+                _rows(grad_q, piece.q).add_(piece_dq)
+                _rows(grad_k, piece.k).add_(piece_dk)
+                _rows(grad_v, piece.k).add_(piece_dv)
         if incoming is None:  # the block's first stop: this rank's part starts its accumulators
             accumulated, spare = spare, None
         else:  # add this rank's part to what the ranks before it accumulated
