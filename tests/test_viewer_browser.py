@@ -90,7 +90,9 @@ class Page:
         self.url = path.resolve().as_uri()
         start = time.perf_counter()
         self.page.goto(self.url)
-        self.page.wait_for_function("document.documentElement.dataset.ready", timeout=30_000)
+        # A selector, not wait_for_function: polling a JS string needs eval, which the page's
+        # Content-Security-Policy (rightly) forbids whenever the first check is not yet true.
+        self.page.wait_for_selector("html[data-ready]", state="attached", timeout=30_000)
         self.load_seconds = time.perf_counter() - start
         assert self.page.evaluate("document.documentElement.dataset.ready") == "true"
 
