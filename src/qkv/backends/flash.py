@@ -68,7 +68,7 @@ from typing import Any
 
 import torch
 
-from qkv import masks
+from qkv import _checks, masks
 from qkv.backends.base import Call
 
 # Tile sizes: a (rows, keys) tile of scores for all heads of a call should stay in this machine's
@@ -351,10 +351,10 @@ class _Heads:
 
 
 def _batch_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
-    """(*B): the batch dims of q, k and v broadcast together."""
-    if q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
-        return tuple(q.shape[:-3])
-    return tuple(torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
+    """(*B): the batch dims of q, k and v broadcast together (callers check they broadcast)."""
+    batch = _checks.broadcast_shape(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+    assert batch is not None, "q, k and v batch dims must broadcast"
+    return batch
 
 
 def _flatten(x: torch.Tensor, batch: tuple[int, ...], n: int) -> torch.Tensor:

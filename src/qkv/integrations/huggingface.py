@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from qkv import masks
 from qkv.functional import attention
 
 INSTALL_HINT = 'pip install "qkv[hf]"'
@@ -130,15 +131,8 @@ def attention_forward(
             'qkv attention does not support paged caches (continuous batching); use "sdpa"'
         )
 
-    mask = attention_mask
-    if position_bias is not None:
-        # An additive bias per (head, query, key): the mask joins it as -inf where blocked.
-        if mask is None:
-            mask = position_bias
-        elif mask.dtype == torch.bool:
-            mask = torch.where(mask, position_bias, float("-inf"))
-        else:
-            mask = position_bias + mask
+    # An additive bias per (head, query, key) joins the mask, which adds -inf where it blocks.
+    mask = masks.combine(attention_mask, position_bias)
     causal = False
     if attention_mask is None:
         # No mask from the model: its own causal rule, aligned for a cache (bottom-right).
