@@ -99,10 +99,12 @@ def boolean(name: str, value: Any) -> bool:
 
 
 def choice(name: str, value: Any, options: Sequence[Any]) -> Any:
-    if not any(value is o or (type(value) is type(o) and value == o) for o in options):
-        expected = ", ".join(repr(o) for o in options)
-        raise ValueError(f"{name} must be one of {expected}, got {value!r}")
-    return value
+    """``value`` must be one of ``options`` and of the same type (1 is not True)."""
+    for option in options:
+        if value is option or (type(value) is type(option) and value == option):
+            return value
+    expected = ", ".join(repr(o) for o in options)
+    raise ValueError(f"{name} must be one of {expected}, got {value!r}")
 
 
 def mask(name: str, x: Any, target: Sequence[int], target_desc: str) -> torch.Tensor:

@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         report["memory_check"] = memory_check(args.memory_check, shape, args.threads)
         _print_memory_check(report["memory_check"])
     elif args.decode:
-        report["decode"] = decode_benchmark(args.decode_tokens)
+        report["decode"] = decode_benchmark(args.decode_tokens, repeats=args.repeats)
         _print_decode(report["decode"])
     elif args.auto:
         report["auto"] = auto_benchmark(args.repeats)
@@ -477,11 +477,17 @@ def _print_memory_check(check: dict[str, Any]) -> None:
 
 
 def decode_benchmark(
-    tokens: int, layers: int = 4, d_model: int = 256, heads: int = 8, backend: str = "auto"
+    tokens: int,
+    layers: int = 4,
+    d_model: int = 256,
+    heads: int = 8,
+    backend: str = "auto",
+    repeats: int = 3,
 ) -> dict[str, Any]:
     """Generate ``tokens`` positions one at a time through a stack of causal layers, (a) with a
     ``qkv.KVCache`` per layer (each step attends one new query to the cache) and (b) by
-    recomputing the whole prefix every step; the outputs of both are compared."""
+    recomputing the whole prefix every step. Each way runs ``repeats`` times, the two
+    alternating, and the medians are compared; so are the outputs."""
     torch.manual_seed(0)
     stack = nn.ModuleList(
         qkv.SelfAttention(d_model, heads, causal=True, backend=backend) for _ in range(layers)
@@ -493,25 +499,39 @@ def decode_benchmark(
             x = x + layer(x, cache=None if caches is None else caches[i])  # residual stream
         return x
 
-    with torch.no_grad():
-        start = time.perf_counter()
+    def with_cache() -> torch.Tensor:
         caches = [qkv.KVCache() for _ in stack]
-        cached = torch.cat([run_stack(inputs[:, t : t + 1], caches) for t in range(tokens)], 1)
-        cached_seconds = time.perf_counter() - start
+        return torch.cat([run_stack(inputs[:, t : t + 1], caches) for t in range(tokens)], 1)
 
-        start = time.perf_counter()
-        recomputed = torch.cat(
-            [run_stack(inputs[:, : t + 1], None)[:, -1:] for t in range(tokens)], dim=1
-        )
-        recomputed_seconds = time.perf_counter() - start
+    def recomputing() -> torch.Tensor:
+        steps = [run_stack(inputs[:, : t + 1], None)[:, -1:] for t in range(tokens)]
+        return torch.cat(steps, dim=1)
+
+    seconds: dict[str, list[float]] = {"kv_cache": [], "recompute": []}
+    with torch.no_grad():
+        for _ in range(repeats):
+            for name, decode in (("kv_cache", with_cache), ("recompute", recomputing)):
+                start = time.perf_counter()
+                outputs = decode()
+                seconds[name].append(time.perf_counter() - start)
+                if name == "kv_cache":
+                    cached = outputs
+                else:
+                    recomputed = outputs
         full = run_stack(inputs, None)
+    cached_seconds = statistics.median(seconds["kv_cache"])
+    recomputed_seconds = statistics.median(seconds["recompute"])
     return {
         "layers": layers,
         "d_model": d_model,
         "heads": heads,
         "tokens": tokens,
+        "repeats": repeats,
+        "threads": torch.get_num_threads(),
         "kv_cache_seconds": cached_seconds,
         "recompute_seconds": recomputed_seconds,
+        "kv_cache_seconds_all": seconds["kv_cache"],
+        "recompute_seconds_all": seconds["recompute"],
         "speedup": recomputed_seconds / cached_seconds,
         "max_abs_difference": float((cached - recomputed).abs().max()),
         "max_abs_difference_vs_one_pass": float((cached - full).abs().max()),
@@ -522,8 +542,9 @@ def decode_benchmark(
 def _print_decode(result: dict[str, Any]) -> None:
     print(
         f"decoding {result['tokens']} tokens, {result['layers']} causal layers (d_model "
-        f"{result['d_model']}, {result['heads']} heads): KV cache {result['kv_cache_seconds']:.2f}"
-        f" s, recomputing the prefix {result['recompute_seconds']:.2f} s: "
+        f"{result['d_model']}, {result['heads']} heads, {result['threads']} threads, median of "
+        f"{result['repeats']}): KV cache {result['kv_cache_seconds']:.2f} s, recomputing the "
+        f"prefix {result['recompute_seconds']:.2f} s: "
         f"{result['speedup']:.1f}x faster; outputs differ by at most "
         f"{result['max_abs_difference']:.1e} (vs one full pass: "
         f"{result['max_abs_difference_vs_one_pass']:.1e})"

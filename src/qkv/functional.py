@@ -167,11 +167,11 @@ def _canonical_call(
     squeeze_head = q.dim() == 2 and k.dim() == 2 and v.dim() == 2
     if squeeze_head:
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    q, k, v = _broadcast_heads(q, k, v)
+    q, k, v, batch = _broadcast_heads(q, k, v)
 
     lq, lk = q.shape[-2], k.shape[-2]
-    scores_shape = Call(q, k, v, None, None, scale, dropout_p, return_weights).scores_shape
     if mask is not None:
+        scores_shape = (*batch, q.shape[-3], lq, lk)
         target = scores_shape[1:] if squeeze_head else scores_shape
         _checks.mask("mask", mask, target, "(*batch, Hq, Lq, Lk)")
         _checks.same_device(("q", "mask"), (q, mask))
@@ -187,16 +187,23 @@ def _canonical_call(
 
 def _broadcast_heads(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Check batch and head dims; k and v get one shape (*batch, Hkv, Lk, ·) by broadcasting."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """Check batch and head dims; k and v get one shape (*batch, Hkv, Lk, ·) by broadcasting.
+    Also returns the broadcast batch shape of the call (all but the last three dims)."""
+    if q.dim() >= 3 and k.shape[:-2] == v.shape[:-2] and q.shape[:-3] == k.shape[:-3]:
+        hq, hkv = q.shape[-3], k.shape[-3]
+        if hkv and hq % hkv == 0:  # the common case: nothing to broadcast
+            return q, k, v, tuple(q.shape[:-3])
     kv_lead = _checks.broadcast_shape(k.shape[:-2], v.shape[:-2])
     if kv_lead is None:
         raise ValueError(
             f"k and v leading (batch, head) dims must broadcast, got k {_checks.shape_str(k.shape)}"
             f" and v {_checks.shape_str(v.shape)}"
         )
-    k = k.expand(*kv_lead, *k.shape[-2:])
-    v = v.expand(*kv_lead, *v.shape[-2:])
+    if k.shape[:-2] != kv_lead:
+        k = k.expand(*kv_lead, *k.shape[-2:])
+    if v.shape[:-2] != kv_lead:
+        v = v.expand(*kv_lead, *v.shape[-2:])
     if q.dim() < 3 or k.dim() < 3:
         # One side has no head dim: it broadcasts like any batch dim.
         q = q.unsqueeze(0) if q.dim() < 3 else q
@@ -212,9 +219,10 @@ def _broadcast_heads(
             f"{_checks.shape_str(q.shape)} with {hq} heads and k {_checks.shape_str(k.shape)} "
             f"with {hkv} heads"
         )
-    if _checks.broadcast_shape(q.shape[:-3], k.shape[:-3]) is None:
+    batch = _checks.broadcast_shape(q.shape[:-3], k.shape[:-3])
+    if batch is None:
         raise ValueError(
             f"q and k batch dims (all but the last three) must broadcast, got q "
             f"{_checks.shape_str(q.shape)} and k {_checks.shape_str(k.shape)}"
         )
-    return q, k, v
+    return q, k, v, batch

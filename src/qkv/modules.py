@@ -68,13 +68,13 @@ class KVCache:
                 f"k and v must agree in (B, Hkv, L), got k {_checks.shape_str(k.shape)} and v "
                 f"{_checks.shape_str(v.shape)}"
             )
-        if self._keys is not None:
-            cached = self.keys
-            for name, new, old in (("k", k, cached), ("v", v, self.values)):
+        if self._keys is not None and self._values is not None:
+            for name, new, old in (("k", k, self._keys), ("v", v, self._values)):
                 if new.shape[:2] != old.shape[:2] or new.shape[-1] != old.shape[-1]:
                     raise ValueError(
                         f"{name} of shape {_checks.shape_str(new.shape)} does not match the cache "
-                        f"(B, Hkv, ·, D) = {_checks.shape_str(old.shape)}"
+                        f"(B, Hkv, ·, D) = "
+                        f"{_checks.shape_str((*old.shape[:2], self._length, old.shape[-1]))}"
                     )
                 if new.dtype != old.dtype or new.device != old.device:
                     raise TypeError(
@@ -86,13 +86,13 @@ class KVCache:
             self._values = v if self._values is None else torch.cat([self.values, v], dim=-2)
             self._length = self._keys.shape[-2]
             return self.keys, self.values
-        self._keys = _grown(self._keys, self._length, k)
-        self._values = _grown(self._values, self._length, v)
-        end = self._length + k.shape[-2]
-        self._keys[..., self._length : end, :] = k
-        self._values[..., self._length : end, :] = v
-        self._length = end
-        return self.keys, self.values
+        start, added = self._length, k.shape[-2]
+        self._keys = _grown(self._keys, start, k)
+        self._values = _grown(self._values, start, v)
+        self._keys.narrow(-2, start, added).copy_(k)
+        self._values.narrow(-2, start, added).copy_(v)
+        self._length = start + added
+        return self._keys.narrow(-2, 0, self._length), self._values.narrow(-2, 0, self._length)
 
 
 def _grown(buffer: torch.Tensor | None, length: int, new: torch.Tensor) -> torch.Tensor:
@@ -242,25 +242,24 @@ class SelfAttention(nn.Module):
         self, x: torch.Tensor, context: torch.Tensor | None, cache: KVCache | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q from x; K, V from context (cross) or x (self), through the cache if given."""
-        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        if context is None:  # self-attention: one matmul gives Q, K and V
+        if context is None:  # self-attention: one matmul gives Q, K and V, split by heads
             assert self.qkv_proj is not None
-            q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        else:
-            q = self.q_proj(x) if self.q_proj is not None else _rows(self.qkv_proj, x, 0, q_size)
-            if cache is not None and len(cache) > 0:  # the context was projected and cached
-                return _split_heads(q, self.heads), cache.keys, cache.values
-            kv = (
-                self.kv_proj(context)
-                if self.kv_proj is not None
-                else _rows(self.qkv_proj, context, q_size, q_size + 2 * kv_size)
-            )
-            k, v = kv.split([kv_size, kv_size], dim=-1)
+            batch, length = x.shape[:2]
+            heads = self.qkv_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+            q, k, v = heads.split_with_sizes([self.heads, self.kv_heads, self.kv_heads], dim=1)
+            return (q, *cache.append(k, v)) if cache is not None else (q, k, v)
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        q = self.q_proj(x) if self.q_proj is not None else _rows(self.qkv_proj, x, 0, q_size)
         q = _split_heads(q, self.heads)  # (B, H, L, D)
-        k, v = _split_heads(k, self.kv_heads), _split_heads(v, self.kv_heads)  # (B, Hkv, S, D)
-        if cache is not None:
-            k, v = cache.append(k, v)
-        return q, k, v
+        if cache is not None and len(cache) > 0:  # the context was projected and cached
+            return q, cache.keys, cache.values
+        kv = (
+            self.kv_proj(context)
+            if self.kv_proj is not None
+            else _rows(self.qkv_proj, context, q_size, q_size + 2 * kv_size)
+        )
+        k, v = _split_heads(kv, 2 * self.kv_heads).split(self.kv_heads, dim=1)  # (B, Hkv, S, D)
+        return (q, *cache.append(k, v)) if cache is not None else (q, k, v)
 
     def _check_inputs(self, x: Any, context: Any) -> bool:
         """Check x and context against the layer; True if they are unbatched."""

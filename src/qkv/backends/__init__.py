@@ -19,8 +19,14 @@ from qkv.backends.base import Call, Unsupported
 NAMES = ("auto", "reference", "flash", "sdpa")
 
 
+_MODULES: dict[str, ModuleType] = {}
+
+
 def _module(name: str) -> ModuleType:
-    return importlib.import_module(f"qkv.backends.{name}")
+    """The backend's module, imported on first use."""
+    if name not in _MODULES:
+        _MODULES[name] = importlib.import_module(f"qkv.backends.{name}")
+    return _MODULES[name]
 
 
 def why_not(name: str, call: Call) -> str | None:
