@@ -107,12 +107,12 @@ def decode_profile() -> list[str]:
     stats = pstats.Stats(profiler, stream=io.StringIO())
     parts = {
         ("qkv/modules.py", "forward"): "SelfAttention.forward (everything)",
+        ("torch/nn/modules/linear.py", "forward"): "  the two linear layers (qkv_proj, out_proj)",
+        ("qkv/modules.py", "append"): "  KVCache.append",
         ("qkv/functional.py", "attention"): "  qkv.attention",
         ("qkv/functional.py", "_canonical_call"): "    argument checks (_canonical_call)",
-        ("torch/functional.py", "broadcast_shapes"): "      of which torch.broadcast_shapes",
-        ("qkv/backends/flash.py", "forward"): "    flash.forward",
-        ("qkv/modules.py", "_project"): "  projections to q, k, v and the cache",
-        ("qkv/modules.py", "append"): "    KVCache.append",
+        ("qkv/backends/__init__.py", "choose"): '    backend="auto" choosing',
+        ("qkv/backends/sdpa.py", "attention"): "    the sdpa backend (torch's fused kernel)",
     }
     total = stats.total_tt
     lines = [
