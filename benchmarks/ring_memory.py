@@ -5,7 +5,7 @@ backward (causal, contiguous layout) and record, per rank, the peak resident mem
 rank's idle baseline. Two measurements:
 
 1. A fixed long sequence T: the peak per rank should fall about as 1/P, since a rank holds its
-   T/P shard, its output and gradients, and at most two travelling key/value blocks of T/P.
+   T/P shard with its output and gradients, and one travelling key/value block of T/P.
 2. The longest T that fits a per-rank memory budget: fitted from two sizes, then confirmed by
    measurement (the longest multiple of the step that fits; the next one up does not).
 
@@ -156,7 +156,7 @@ def run_group(world_size: int, config: dict[str, Any], store: str) -> dict[str, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--length", type=int, default=16384, help="the fixed long T")
+    parser.add_argument("--length", type=int, default=32768, help="the fixed long T")
     parser.add_argument("--budget-mib", type=float, default=128.0, help="memory budget per rank")
     parser.add_argument("--step", type=int, default=512, help="T granularity per rank")
     parser.add_argument("--heads", type=int, default=4)

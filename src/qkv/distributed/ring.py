@@ -2,9 +2,10 @@
 
 Each of the P ranks holds a shard of the queries, keys and values. Attention needs every query to
 meet every key, so the key/value blocks travel around a ring: at step t rank r holds the block of
-rank r - t, computes its queries against it, and meanwhile passes the block on to rank r + 1.
-After P steps every query has met every key, and no rank ever held more than two blocks besides
-its own.
+rank r - t, computes its queries against it, and passes the block on to rank r + 1 piece by
+piece, each piece as soon as it is done with it, receiving the next block's piece in its place
+(``_Circulation``). After P steps every query has met every key, and no rank ever held more than
+one travelling block, plus a piece in flight, besides its own.
 
 Merging partial results. Each block gives, for every query row, the attention output over that
 block's keys alone, ``o_b``, and the log of that row's softmax denominator, ``lse_b =
@@ -19,8 +20,11 @@ place, folding the blocks in one at a time; a row that has seen no key keeps lse
 Backward. The gradient of a row depends on the blocks only through its final output and lse
 (the softmax probabilities of key j are exp(s_j - lse)), so each block's gradient is computed
 alone with the final (out, lse), and the blocks' contributions add up. The key/value blocks go
-around the ring once more, now with accumulators for their gradients riding along: every rank
-adds what its queries contribute to dk and dv, and after P steps each accumulator is back home.
+around the ring once more, now with accumulators for their gradients riding along, piece by piece
+in the same way: every rank adds what its queries contribute to dk and dv, and after P steps each
+accumulator is back home. Memory per rank: its shard's q, k, v, out, output gradient and dq, plus
+one travelling key/value block and its accumulators: about 10 rows of T/P positions, against 8
+rows of T for one process.
 
 Causal attention skips the blocks whose keys all lie in the future of the rank's queries: they are
 neither computed nor masked, only passed on. Which tiles each rank computes, and the load-balanced
@@ -46,7 +50,7 @@ from torch.autograd.function import once_differentiable
 from qkv import _checks, masks
 from qkv.backends import flash
 from qkv.distributed import layout as layouts
-from qkv.distributed._comm import Ring
+from qkv.distributed._comm import Ring, Transfer
 from qkv.functional import Causal, _canonical_call
 
 
@@ -175,38 +179,40 @@ def _rows(x: torch.Tensor, chunk: layouts.Chunk) -> torch.Tensor:
     return x.narrow(-2, chunk.local, chunk.size)
 
 
-def _keys(mask: torch.Tensor | None, chunk: layouts.Chunk) -> torch.Tensor | None:
-    """The columns of ``chunk`` of a key mask (..., 1, S), unless it is broadcast over keys."""
-    if mask is None or mask.shape[-1] == 1:
-        return mask
-    return mask.narrow(-1, chunk.local, chunk.size)
-
-
-# The flash kernels are called on pieces of at most this many query (and, in the backward, key)
-# positions. What one call allocates besides its result (its scaled copy of the queries, the keys
-# transposed, the gradients of its queries, keys and values) then stays bounded by the piece
-# instead of growing with the shard, and so does the temporary of each merge. A multiple of the
-# kernels' tiles (``flash.QUERY_TILE``, ``flash.KEY_TILE``), so the pieces cut no tile.
+# Blocks travel, and the flash kernels are called, in pieces of at most this many key (and
+# query) positions. A rank then holds one travelling block plus a piece in flight besides its
+# own shard, and what one kernel call allocates besides its result (its scaled copy of the
+# queries, the keys transposed, the gradients of its queries, keys and values) stays bounded by
+# the piece instead of growing with the shard, as does the temporary of each merge. A multiple
+# of the kernels' tiles (``flash.QUERY_TILE``, ``flash.KEY_TILE``), so the pieces cut no tile.
 _PIECE = 1024
 
 
-def _pieces(tile: layouts.Tile, *, split_keys: bool) -> Iterator[layouts.Tile]:
-    """``tile`` cut into runs of at most ``_PIECE`` queries (and keys, if ``split_keys``),
-    leaving out the pieces whose keys all lie in the future of their queries."""
-    key_runs = _runs(tile.k) if split_keys else [tile.k]
+def _key_pieces(lk: int) -> list[layouts.Chunk]:
+    """The pieces a block of ``lk`` keys travels in (``local``: where each starts in it)."""
+    return [layouts.Chunk(a, a, min(_PIECE, lk - a)) for a in range(0, lk, _PIECE)]
+
+
+def _pieces(tile: layouts.Tile, keys: layouts.Chunk) -> Iterator[layouts.Tile]:
+    """The part of ``tile`` whose keys lie in the block positions ``keys``, cut into runs of at
+    most ``_PIECE`` queries, leaving out the runs whose keys all lie in the future."""
+    first = max(tile.k.local, keys.local)
+    end = min(tile.k.local + tile.k.size, keys.local + keys.size)
+    if end <= first:
+        return
+    shift = first - tile.k.local  # the piece's keys start this far into the tile's
+    keys = layouts.Chunk(first, tile.k.start + shift, end - first)
     for rows in _runs(tile.q):
-        for keys in key_runs:
-            offset = tile.causal_offset
-            if offset is not None:
-                # query i of the piece is query i + a of the tile, key j is key j + b
-                # (a, b: where the piece's queries and keys start in the tile's)
-                offset += (rows.local - tile.q.local) - (keys.local - tile.k.local)
-                seen = rows.size + offset  # how many keys the piece's last query may attend
-                if seen <= 0:  # not even the last query sees the first key
-                    continue
-                if seen < keys.size:  # the keys after those are in the future of every query
-                    keys = layouts.Chunk(keys.local, keys.start, seen)
-            yield layouts.Tile(rows, keys, offset)
+        piece_keys, offset = keys, tile.causal_offset
+        if offset is not None:
+            # query i of the run is query i + a of the tile, key j is key j + shift
+            offset += (rows.local - tile.q.local) - shift
+            seen = rows.size + offset  # how many keys the run's last query may attend
+            if seen <= 0:  # not even the last query sees the first key
+                continue
+            if seen < keys.size:  # the keys after those are in the future of every query
+                piece_keys = layouts.Chunk(keys.local, keys.start, seen)
+        yield layouts.Tile(rows, piece_keys, offset)
 
 
 def _runs(chunk: layouts.Chunk) -> list[layouts.Chunk]:
@@ -220,40 +226,77 @@ def _runs(chunk: layouts.Chunk) -> list[layouts.Chunk]:
 _KV_TAG, _GRAD_TAG = 0, 3  # message tags of the key/value blocks and of their gradients
 
 
-class _Held:
-    """The key/value block (and key mask) of rank ``source`` that this rank holds at one step."""
+class _Circulation:
+    """Blocks of tensors, one per rank, that visit every rank in turn: at step t this rank holds
+    the block of rank r - t. Every tensor is (..., S, ·), its key positions along dim -2.
 
-    def __init__(self, source: int, tensors: list[torch.Tensor], has_mask: bool) -> None:
-        self.source, self._tensors, self._has_mask = source, tensors, has_mask
-
-    k = property(lambda self: self._tensors[0])  # (*B, Hkv, S, Dk)
-    v = property(lambda self: self._tensors[1])  # (*B, Hkv, S, Dv)
-    mask = property(lambda self: self._tensors[2] if self._has_mask else None)  # (*B, H, 1, S)
-
-    def release(self) -> None:
-        self._tensors = []
-
-
-def _travelling_blocks(
-    plan: _Plan, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, lq: int
-) -> Iterator[_Held]:
-    """The key/value blocks this rank holds in turn, its own first.
-
-    Each block is passed on to the next rank while the caller computes with it (the last one
-    goes nowhere). When the caller is done with a block, it is let go before the next one is
-    waited for, so that a rank holds at most two blocks besides its own.
+    A block moves piece by piece (``_key_pieces``): when this rank is done with a piece it
+    passes it on to the next rank and receives the same piece of the next block from the
+    previous rank, into the place the piece it sent leaves free. Besides its own block a rank so
+    holds one travelling block and one piece in flight, and each piece's transfer overlaps with
+    the work on the next piece.
     """
-    block = [k, v] if mask is None else [k, v, mask]
-    steps = plan.steps(lq, k.shape[-2])
-    for step, source in steps:
-        transfer = None
-        if step < len(steps) - 1:
-            transfer = plan.ring.shift(block, what="keys/values", tag=_KV_TAG)
-        held = _Held(source, block, mask is not None)
-        yield held
-        held.release()
-        if transfer is not None:
-            block = transfer.wait()
+
+    def __init__(
+        self,
+        ring: Ring,
+        own: list[torch.Tensor] | None,
+        like: list[tuple[torch.Size, torch.dtype, torch.device]],
+        what: str,
+        tag: int,
+    ) -> None:
+        self.ring, self.what, self.tag = ring, what, tag
+        self.held = own  # the block worked on now; None: this rank makes its own block's pieces
+        self._like = like  # (shape, dtype, device) of each tensor of a block
+        self._slots: list[torch.Tensor] | None = None  # where the travelling blocks live
+        self._in_flight: tuple[Transfer, layouts.Chunk] | None = None
+
+    def piece(self, keys: layouts.Chunk) -> list[torch.Tensor]:
+        """The held block's tensors at the positions ``keys``."""
+        assert self.held is not None
+        return [x.narrow(-2, keys.local, keys.size) for x in self.held]
+
+    def pass_on(self, keys: layouts.Chunk, piece: list[torch.Tensor]) -> None:
+        """Send ``piece`` (the held block at ``keys``, once this rank is done with it) to the next
+        rank, and start receiving the previous rank's in its place."""
+        self._complete()
+        transfer = self.ring.shift(piece, what=self.what, tag=self.tag)
+        self._in_flight = (transfer, keys)
+
+    def next_step(self) -> list[torch.Tensor]:
+        """Wait for the last piece to arrive; the block received is held from now on."""
+        self._complete()
+        assert self._slots is not None
+        self.held = self._slots
+        return self.held
+
+    def _complete(self) -> None:
+        if self._in_flight is None:
+            return
+        transfer, keys = self._in_flight
+        received = transfer.wait()  # the piece sent is gone: its place is free
+        if self._slots is None:
+            self._slots = [torch.empty(shape, dtype=t, device=at) for shape, t, at in self._like]
+        for slot, x in zip(self._slots, received):
+            slot.narrow(-2, keys.local, keys.size).copy_(x)
+        self._in_flight = None
+
+
+def _travelling(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """The tensors of this rank's key/value block: k, v and, if given, the key mask (..., 1, S)
+    turned to (..., S, 1) so that it is cut along dim -2 like k and v."""
+    if mask is None:
+        return [k, v]
+    return [k, v, mask.expand(*mask.shape[:-1], k.shape[-2]).transpose(-1, -2)]
+
+
+def _specs(tensors: list[torch.Tensor]) -> list[tuple[torch.Size, torch.dtype, torch.device]]:
+    return [(x.shape, x.dtype, x.device) for x in tensors]
+
+
+def _unpack(piece: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(k, v, key mask (..., 1, S) or None) of a piece of a key/value block."""
+    return piece[0], piece[1], piece[2].transpose(-1, -2) if len(piece) > 2 else None
 
 
 def _ring_forward(
@@ -265,21 +308,36 @@ def _ring_forward(
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=dtype)  # (*B, Hq, L, Dv)
     lse = q.new_full(q.shape[:-1], -math.inf, dtype=dtype)  # (*B, Hq, L): no key seen yet
     lq, lk = q.shape[-2], k.shape[-2]
-    for block in _travelling_blocks(plan, k, v, mask, lq):
-        for tile in plan.tiles(block.source, lq, lk):
-            for piece in _pieces(tile, split_keys=False):
-                piece_out, piece_lse = flash.forward(
-                    _rows(q, piece.q),
-                    _rows(block.k, piece.k),
-                    _rows(block.v, piece.k),
-                    scale=plan.scale,
-                    causal_offset=piece.causal_offset,
-                    mask=_keys(block.mask, piece.k),
-                )
-                rows = piece.q
-                lse_rows = lse.narrow(-1, rows.local, rows.size)
-                merge_(_rows(out, rows), lse_rows, piece_out, piece_lse)
+    own = _travelling(k, v, mask)
+    blocks = _Circulation(plan.ring, own, _specs(own), "keys/values", _KV_TAG)
+    steps = plan.steps(lq, lk)
+    for step, source in steps:
+        tiles = plan.tiles(source, lq, lk)
+        for keys in _key_pieces(lk):
+            block_k, block_v, block_mask = _unpack(blocks.piece(keys))
+            for tile in tiles:
+                for piece in _pieces(tile, keys):
+                    at = piece.k.local - keys.local  # where the piece's keys start in block_k
+                    piece_out, piece_lse = flash.forward(
+                        _rows(q, piece.q),
+                        block_k.narrow(-2, at, piece.k.size),
+                        block_v.narrow(-2, at, piece.k.size),
+                        scale=plan.scale,
+                        causal_offset=piece.causal_offset,
+                        mask=_key_columns(block_mask, at, piece.k.size),
+                    )
+                    lse_rows = lse.narrow(-1, piece.q.local, piece.q.size)
+                    merge_(_rows(out, piece.q), lse_rows, piece_out, piece_lse)
+            if step < len(steps) - 1:  # the last block goes nowhere
+                blocks.pass_on(keys, blocks.piece(keys))
+        if step < len(steps) - 1:
+            blocks.next_step()
     return out, lse
+
+
+def _key_columns(mask: torch.Tensor | None, at: int, size: int) -> torch.Tensor | None:
+    """Columns ``at`` ... ``at + size - 1`` of a key mask (..., 1, S)."""
+    return None if mask is None else mask.narrow(-1, at, size)
 
 
 def _ring_backward(
@@ -292,45 +350,54 @@ def _ring_backward(
     grad_out: torch.Tensor,
     plan: _Plan,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of this rank's shard, in the compute dtype."""
+    """(dq, dk, dv) of this rank's shard, in the compute dtype.
+
+    The key/value blocks go around once more, and with them (dk, dv) accumulators: at each
+    step this rank adds what its queries contribute to the block's accumulators and passes them
+    on; after the last step each block's accumulators arrive back at its owner."""
     dtype = out.dtype
     grad_q = torch.zeros(q.shape, dtype=dtype, device=q.device)  # (*B, Hq, L, Dk)
-    incoming = None  # the accumulators of (dk, dv) of the block now held, arriving from behind
-    spare = None  # buffers for this rank's part of a block's (dk, dv), reused step after step
     lq, lk = q.shape[-2], k.shape[-2]
-    for block in _travelling_blocks(plan, k, v, mask, lq):
-        if spare is None:
-            spare = [torch.zeros(x.shape, dtype=dtype, device=x.device) for x in (k, v)]
-        else:
-            spare = [x.zero_() for x in spare]
-        grad_k, grad_v = spare  # (*B, Hkv, S, Dk), (*B, Hkv, S, Dv)
-        for tile in plan.tiles(block.source, lq, lk):
-            for piece in _pieces(tile, split_keys=True):
-                piece_dq, piece_dk, piece_dv = flash.backward(
-                    _rows(q, piece.q),
-                    _rows(block.k, piece.k),
-                    _rows(block.v, piece.k),
-                    _rows(out, piece.q),
-                    _rows(grad_out, piece.q),
-                    lse.narrow(-1, piece.q.local, piece.q.size),
-                    scale=plan.scale,
-                    causal_offset=piece.causal_offset,
-                    mask=_keys(block.mask, piece.k),
-                )
-                _rows(grad_q, piece.q).add_(piece_dq)
-                _rows(grad_k, piece.k).add_(piece_dk)
-                _rows(grad_v, piece.k).add_(piece_dv)
-        if incoming is None:  # the block's first stop: this rank's part starts its accumulators
-            accumulated, spare = spare, None
-        else:  # add this rank's part to what the ranks before it accumulated
-            accumulated = incoming.wait()
-            accumulated[0].add_(grad_k)
-            accumulated[1].add_(grad_v)
-        # The accumulators follow their block; after the last step they go back to its owner.
-        incoming = plan.ring.shift(accumulated, what="key/value gradients", tag=_GRAD_TAG)
-    if incoming is None:  # empty sequences: nothing was computed
+    steps = plan.steps(lq, lk)
+    if not steps:  # empty sequences: nothing to compute
         return grad_q, torch.zeros_like(k, dtype=dtype), torch.zeros_like(v, dtype=dtype)
-    grad_k, grad_v = incoming.wait()
+    own = _travelling(k, v, mask)
+    blocks = _Circulation(plan.ring, own, _specs(own), "keys/values", _KV_TAG)
+    like = [(x.shape, dtype, x.device) for x in (k, v)]
+    grads = _Circulation(plan.ring, None, like, "key/value gradients", _GRAD_TAG)
+    for step, source in steps:
+        tiles = plan.tiles(source, lq, lk)
+        for keys in _key_pieces(lk):
+            block_k, block_v, block_mask = _unpack(blocks.piece(keys))
+            if grads.held is None:  # step 0: this rank's own block; its accumulators start here
+                grad_k, grad_v = (x.new_zeros(x.shape, dtype=dtype) for x in (block_k, block_v))
+            else:
+                grad_k, grad_v = grads.piece(keys)
+            for tile in tiles:
+                for piece in _pieces(tile, keys):
+                    at = piece.k.local - keys.local
+                    piece_dq, piece_dk, piece_dv = flash.backward(
+                        _rows(q, piece.q),
+                        block_k.narrow(-2, at, piece.k.size),
+                        block_v.narrow(-2, at, piece.k.size),
+                        _rows(out, piece.q),
+                        _rows(grad_out, piece.q),
+                        lse.narrow(-1, piece.q.local, piece.q.size),
+                        scale=plan.scale,
+                        causal_offset=piece.causal_offset,
+                        mask=_key_columns(block_mask, at, piece.k.size),
+                    )
+                    _rows(grad_q, piece.q).add_(piece_dq)
+                    grad_k.narrow(-2, at, piece.k.size).add_(piece_dk)
+                    grad_v.narrow(-2, at, piece.k.size).add_(piece_dv)
+            if step < len(steps) - 1:
+                blocks.pass_on(keys, blocks.piece(keys))
+            # The accumulators follow their block; after the last step they go back to its owner.
+            grads.pass_on(keys, [grad_k, grad_v])
+        if step < len(steps) - 1:
+            blocks.next_step()
+        grads.next_step()
+    grad_k, grad_v = grads.held  # type: ignore[misc]
     return grad_q, grad_k, grad_v
 
 
