@@ -190,7 +190,8 @@ def _broadcast_heads(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]:
     """Check batch and head dims; k and v get one shape (*batch, Hkv, Lk, ·) by broadcasting.
     Also returns the broadcast batch shape of the call (all but the last three dims)."""
-    if q.dim() >= 3 and k.shape[:-2] == v.shape[:-2] and q.shape[:-3] == k.shape[:-3]:
+    same_lead = k.shape[:-2] == v.shape[:-2] and q.shape[:-3] == k.shape[:-3]
+    if q.dim() >= 3 and k.dim() >= 3 and same_lead:
         hq, hkv = q.shape[-3], k.shape[-3]
         if hkv and hq % hkv == 0:  # the common case: nothing to broadcast
             return q, k, v, tuple(q.shape[:-3])
