@@ -205,7 +205,8 @@ def _pieces(tile: layouts.Tile, keys: layouts.Chunk) -> Iterator[layouts.Tile]:
     for rows in _runs(tile.q):
         piece_keys, offset = keys, tile.causal_offset
         if offset is not None:
-            # query i of the run is query i + a of the tile, key j is key j + shift
+            # query i of the run is query i + (rows.local - tile.q.local) of the tile, and key j
+            # of the piece is key j + shift of the tile
             offset += (rows.local - tile.q.local) - shift
             seen = rows.size + offset  # how many keys the run's last query may attend
             if seen <= 0:  # not even the last query sees the first key
@@ -263,12 +264,11 @@ class _Circulation:
         transfer = self.ring.shift(piece, what=self.what, tag=self.tag)
         self._in_flight = (transfer, keys)
 
-    def next_step(self) -> list[torch.Tensor]:
+    def next_step(self) -> None:
         """Wait for the last piece to arrive; the block received is held from now on."""
         self._complete()
         assert self._slots is not None
         self.held = self._slots
-        return self.held
 
     def _complete(self) -> None:
         if self._in_flight is None:
@@ -369,7 +369,7 @@ def _ring_backward(
         tiles = plan.tiles(source, lq, lk)
         for keys in _key_pieces(lk):
             block_k, block_v, block_mask = _unpack(blocks.piece(keys))
-            if grads.held is None:  # step 0: this rank's own block; its accumulators start here
+            if step == 0:  # this rank's own block: its accumulators start here, piece by piece
                 grad_k, grad_v = (x.new_zeros(x.shape, dtype=dtype) for x in (block_k, block_v))
             else:
                 grad_k, grad_v = grads.piece(keys)
@@ -397,7 +397,8 @@ def _ring_backward(
         if step < len(steps) - 1:
             blocks.next_step()
         grads.next_step()
-    grad_k, grad_v = grads.held  # type: ignore[misc]
+    assert grads.held is not None  # this rank's own accumulators, back home
+    grad_k, grad_v = grads.held
     return grad_q, grad_k, grad_v
 
 
