@@ -508,17 +508,15 @@ def decode_benchmark(
         return torch.cat(steps, dim=1)
 
     seconds: dict[str, list[float]] = {"kv_cache": [], "recompute": []}
+    outputs: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for _ in range(repeats):
             for name, decode in (("kv_cache", with_cache), ("recompute", recomputing)):
                 start = time.perf_counter()
-                outputs = decode()
+                outputs[name] = decode()
                 seconds[name].append(time.perf_counter() - start)
-                if name == "kv_cache":
-                    cached = outputs
-                else:
-                    recomputed = outputs
         full = run_stack(inputs, None)
+    cached, recomputed = outputs["kv_cache"], outputs["recompute"]
     cached_seconds = statistics.median(seconds["kv_cache"])
     recomputed_seconds = statistics.median(seconds["recompute"])
     return {
