@@ -244,8 +244,7 @@ class SelfAttention(nn.Module):
         """Q from x; K, V from context (cross) or x (self), through the cache if given."""
         if context is None:  # self-attention: one matmul gives Q, K and V, split by heads
             assert self.qkv_proj is not None
-            batch, length = x.shape[:2]
-            heads = self.qkv_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+            heads = _split_heads(self.qkv_proj(x), self.heads + 2 * self.kv_heads)
             q, k, v = heads.split_with_sizes([self.heads, self.kv_heads, self.kv_heads], dim=1)
             return (q, *cache.append(k, v)) if cache is not None else (q, k, v)
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim

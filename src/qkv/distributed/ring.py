@@ -190,7 +190,7 @@ _PIECE = 1024
 
 def _key_pieces(lk: int) -> list[layouts.Chunk]:
     """The pieces a block of ``lk`` keys travels in (``local``: where each starts in it)."""
-    return [layouts.Chunk(a, a, min(_PIECE, lk - a)) for a in range(0, lk, _PIECE)]
+    return _runs(layouts.Chunk(0, 0, lk))
 
 
 def _pieces(tile: layouts.Tile, keys: layouts.Chunk) -> Iterator[layouts.Tile]:
@@ -257,10 +257,11 @@ class _Circulation:
         assert self.held is not None
         return [x.narrow(-2, keys.local, keys.size) for x in self.held]
 
-    def pass_on(self, keys: layouts.Chunk, piece: list[torch.Tensor]) -> None:
-        """Send ``piece`` (the held block at ``keys``, once this rank is done with it) to the next
-        rank, and start receiving the previous rank's in its place."""
+    def pass_on(self, keys: layouts.Chunk, piece: list[torch.Tensor] | None = None) -> None:
+        """Send ``piece`` (default: the held block at ``keys``), once this rank is done with it, to
+        the next rank, and start receiving the previous rank's piece in its place."""
         self._complete()
+        piece = self.piece(keys) if piece is None else piece
         transfer = self.ring.shift(piece, what=self.what, tag=self.tag)
         self._in_flight = (transfer, keys)
 
@@ -329,7 +330,7 @@ def _ring_forward(
                     lse_rows = lse.narrow(-1, piece.q.local, piece.q.size)
                     merge_(_rows(out, piece.q), lse_rows, piece_out, piece_lse)
             if step < len(steps) - 1:  # the last block goes nowhere
-                blocks.pass_on(keys, blocks.piece(keys))
+                blocks.pass_on(keys)
         if step < len(steps) - 1:
             blocks.next_step()
     return out, lse
@@ -391,7 +392,7 @@ def _ring_backward(
                     grad_k.narrow(-2, at, piece.k.size).add_(piece_dk)
                     grad_v.narrow(-2, at, piece.k.size).add_(piece_dv)
             if step < len(steps) - 1:
-                blocks.pass_on(keys, blocks.piece(keys))
+                blocks.pass_on(keys)
             # The accumulators follow their block; after the last step they go back to its owner.
             grads.pass_on(keys, [grad_k, grad_v])
         if step < len(steps) - 1:
