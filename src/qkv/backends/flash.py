@@ -56,6 +56,14 @@ running m, l and acc, exponentials, sums and all matrix products are float32. (b
 products would be faster on CPUs with bfloat16 units, but torch rounds their results to
 bfloat16, which makes the scores several times less accurate than the other backends'.)
 
+The compiled kernel: on CPUs, calls without a mask (causal or not, any batch and head layout,
+grouped heads, float32/float16/bfloat16) run the same forward recurrence compiled from
+``flash_cpu.cpp``, one query block of one head at a time in cache-sized buffers, with fused
+max/exp/sum passes and, for bfloat16, the CPU's bfloat16 matrix units with float32 sums (scores
+stay float32). The loop below is the specification it is tested against, and it runs everything
+else: masks, float64, other devices, decoding (few queries), the backward pass. See
+``_flash_cpu`` for how it is built, and ``COMPILED_KERNEL`` to switch it off.
+
 Legend: B batch, H heads (Hq query, Hkv key/value), g = Hq / Hkv, N = B·Hkv, L/Lq query length,
 S/Lk key length, R rows of a tile (g · its queries), D features (Dk query/key, Dv value).
 """
@@ -69,6 +77,7 @@ from typing import Any
 import torch
 
 from qkv import _checks, masks
+from qkv.backends import _flash_cpu
 from qkv.backends.base import Call
 
 # Tile sizes: a (rows, keys) tile of scores for all heads of a call should stay in this machine's
@@ -84,6 +93,11 @@ LN_2 = math.log(2.0)
 _COPY_KEYS_ROWS = 64
 
 _NEG_INF = float("-inf")
+
+# Run calls the compiled CPU kernel supports on it (False: always the PyTorch loop below).
+COMPILED_KERNEL = True
+# Fewer query rows than this stay on the loop: it is tuned for decoding (one query at a time).
+_COMPILED_MIN_QUERIES = 16
 
 
 def forward(
@@ -107,6 +121,9 @@ def forward(
     (−inf for a row with no key; its out is 0). No autograd graph is built.
     """
     with torch.no_grad():
+        compiled = _compiled_forward(q, k, v, scale, causal_offset) if mask is None else None
+        if compiled is not None:
+            return compiled
         heads = _Heads.of(q, k, v, scale)
         tiles = _Tiles(heads, mask, causal_offset)
         lowest = torch.finfo(heads.dtype).min
@@ -144,6 +161,38 @@ def forward(
             lse2 = m.add_(l_sum.log2_())  # (N, R) lse in base 2
             torch.mul(lse2.view(tile), LN_2, out=lse[:, :, q0:q1])
         return heads.unflatten(out), heads.unflatten(lse)
+
+
+def _compiled_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``forward`` (without a mask) on the compiled CPU kernel, or None where it does not apply:
+    switched off, not built, not a CPU tensor, float64, empty, or too few queries."""
+    if (
+        not COMPILED_KERNEL
+        or q.device.type != "cpu"
+        or q.dtype not in (torch.float32, torch.float16, torch.bfloat16)
+        or q.shape[-2] < _COMPILED_MIN_QUERIES
+        or 0 in (q.numel(), k.numel(), v.numel())
+    ):
+        return None
+    kernel = _flash_cpu.load()
+    if kernel is None:
+        return None
+    low = q.dtype == torch.bfloat16 and kernel.bfloat16_products()
+    dtype = torch.bfloat16 if low else torch.float32
+    batch = _batch_shape(q, k, v)
+    hq, hkv = q.shape[-3], k.shape[-3]
+    n = math.prod(batch) * hkv
+    out, lse = kernel.forward(
+        _flatten(q.to(dtype), batch, n * (hq // hkv)).contiguous(),  # (N·g, Lq, Dk)
+        _flatten(k.to(dtype), batch, n).contiguous(),  # (N, Lk, Dk)
+        _flatten(v.to(dtype), batch, n).contiguous(),  # (N, Lk, Dv)
+        scale,
+        causal_offset is not None,
+        causal_offset or 0,
+    )
+    return out.view(*batch, hq, *out.shape[1:]), lse.view(*batch, hq, lse.shape[-1])
 
 
 def backward(
