@@ -13,6 +13,8 @@ import torch
 from hypothesis import HealthCheck, settings
 from oracle import BACKENDS
 
+from qkv.backends import flash
+
 settings.register_profile(
     "ci",
     deadline=None,
@@ -42,7 +44,12 @@ def _seeded() -> None:
     torch.manual_seed(0)
 
 
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest) -> str:
-    """Each of qkv's backends, and "auto"."""
+@pytest.fixture(params=(*BACKENDS, "flash-loop"))
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each of qkv's backends, and "auto". "flash-loop" is flash with its compiled CPU kernel
+    switched off, so that the PyTorch loop also meets the contract on the calls the kernel
+    would take (float32/float16/bfloat16 without a mask)."""
+    if request.param == "flash-loop":
+        monkeypatch.setattr(flash, "COMPILED_KERNEL", False)
+        return "flash"
     return request.param

@@ -10,25 +10,32 @@ Legend: B batch, H heads, Lq query length, Lk key length, D features.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import oracle
+from oracle import TOLERANCE, oracle
 from torch.profiler import ProfilerActivity, profile
 
 import qkv
 from qkv import backends
-from qkv.backends import flash
+from qkv.backends import _flash_cpu, flash
 from qkv.backends.base import Call, Unsupported
 
 f64 = torch.float64
 
 
 @pytest.fixture
-def tiny_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tiles of 5 queries × 7 keys, so that small inputs cross many tile boundaries."""
+def loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flash's PyTorch loop for every call, never the compiled kernel."""
+    monkeypatch.setattr(flash, "COMPILED_KERNEL", False)
+
+
+@pytest.fixture
+def tiny_tiles(loop: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop with tiles of 5 queries × 7 keys, so small inputs cross many tile boundaries."""
     monkeypatch.setattr(flash, "QUERY_TILE", 5)
     monkeypatch.setattr(flash, "KEY_TILE", 7)
 
@@ -173,7 +180,7 @@ def test_forward_returns_out_and_the_log_sum_exp(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_forward_computes_low_precision_in_float32(dtype: torch.dtype) -> None:
+def test_forward_computes_low_precision_in_float32(loop: None, dtype: torch.dtype) -> None:
     q, k, v = randn(1, 2, 20, 8, dtype=dtype), randn(1, 2, 20, 8, dtype=dtype), randn(1, 2, 20, 8)
     out, lse = flash.forward(q, k, v.to(dtype), scale=0.35)
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
@@ -407,3 +414,182 @@ def test_any_tiling_gives_the_same_answer(
     finally:
         flash.QUERY_TILE, flash.KEY_TILE = old
     torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-12)
+
+
+# --- the compiled CPU kernel -------------------------------------------------------------------
+# It must compute what the loop computes. The loop in float64 (checked against the oracle above
+# and in test_functional.py) is the reference here; the kernel gets the same inputs in float32,
+# float16 or bfloat16.
+
+
+@pytest.fixture
+def kernel() -> object:
+    """The compiled kernel module; building it is part of the test environment's set-up."""
+    if os.environ.get("QKV_FLASH_KERNEL") == "0":
+        pytest.skip("QKV_FLASH_KERNEL=0 switches the compiled kernel off")
+    module = _flash_cpu.load()
+    assert module is not None, "flash's compiled CPU kernel did not build (see the warning)"
+    return module
+
+
+def by_the_loop(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal_offset: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash.forward's PyTorch loop in float64."""
+    old, flash.COMPILED_KERNEL = flash.COMPILED_KERNEL, False
+    try:
+        return flash.forward(
+            q.double(), k.double(), v.double(), scale=scale, causal_offset=causal_offset
+        )
+    finally:
+        flash.COMPILED_KERNEL = old
+
+
+def compiled(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal_offset: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash.forward on the compiled kernel (failing if the call went to the loop)."""
+    result = flash._compiled_forward(q, k, v, scale, causal_offset)
+    assert result is not None, "this call should run on the compiled kernel"
+    return result
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    batch=st.sampled_from([(), (1,), (2,), (2, 1)]),
+    hkv=st.integers(1, 3),
+    groups=st.integers(1, 3),
+    lq=st.integers(16, 300),
+    lk=st.integers(1, 700),
+    dk=st.integers(1, 80),
+    dv=st.integers(1, 80),
+    offset=st.sampled_from([None, "bottom-right", "top-left", "random"]),
+    scale=st.sampled_from([0.125, 0.9, -0.3]),
+    broadcast_kv=st.booleans(),
+)
+def test_kernel_matches_the_loop_in_float64(
+    kernel: object,
+    batch: tuple[int, ...],
+    hkv: int,
+    groups: int,
+    lq: int,
+    lk: int,
+    dk: int,
+    dv: int,
+    offset: str | None,
+    scale: float,
+    broadcast_kv: bool,
+) -> None:
+    kv_batch = (*batch[:-1], 1) if batch and broadcast_kv else batch
+    q = randn(*batch, hkv * groups, lq, dk, dtype=torch.float32)
+    k = randn(*kv_batch, hkv, lk, dk, dtype=torch.float32)
+    v = randn(*kv_batch, hkv, lk, dv, dtype=torch.float32)
+    causal_offset = {
+        None: None,
+        "bottom-right": lk - lq,
+        "top-left": 0,
+        "random": int(torch.randint(-lq, lk + 1, ())),
+    }[offset]
+    out, lse = compiled(q, k, v, scale=scale, causal_offset=causal_offset)
+    expected_out, expected_lse = by_the_loop(q, k, v, scale=scale, causal_offset=causal_offset)
+    assert out.dtype == lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal_offset", [None, 0, 700 - 600])
+def test_kernel_in_low_precision(kernel: object, dtype: torch.dtype, causal_offset: int) -> None:
+    q, k, v = (randn(2, 4, 600, 64, dtype=dtype), randn(2, 2, 700, 64, dtype=dtype),
+               randn(2, 2, 700, 48, dtype=dtype))  # fmt: skip
+    out, lse = compiled(q, k, v, scale=0.125, causal_offset=causal_offset)
+    expected_out, expected_lse = by_the_loop(q, k, v, scale=0.125, causal_offset=causal_offset)
+    # Scores, softmax and sums are float32. float16 is computed in float32 throughout; bfloat16
+    # products run on the CPU's bfloat16 matrix units, where the weights enter the product with
+    # the (bfloat16) values rounded to bfloat16: 2^-8 relative, below one unit in the last place
+    # of the bfloat16 output.
+    low = dtype == torch.bfloat16 and kernel.bfloat16_products()  # type: ignore[attr-defined]
+    tolerance = 2.0**-8 if low else 1e-5
+    torch.testing.assert_close(out.double(), expected_out, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-5, rtol=1e-5)
+    final = qkv.attention(q, k, v, causal=False, backend="flash") if causal_offset is None else None
+    if final is not None:  # the output in the input dtype: within the contract's tolerance
+        assert final.dtype == dtype
+        atol, rtol = TOLERANCE[dtype]
+        torch.testing.assert_close(final.double(), oracle(q, k, v)[0], atol=atol, rtol=rtol)
+
+
+def test_kernel_rows_without_keys_are_zero_with_lse_minus_infinity(kernel: object) -> None:
+    q, k, v = (randn(1, 2, 40, 8, dtype=torch.float32) for _ in range(3))
+    out, lse = compiled(q, k[..., :25, :], v[..., :25, :], scale=0.3, causal_offset=25 - 40)
+    assert bool((out[..., :15, :] == 0).all()) and bool(torch.isneginf(lse[..., :15]).all())
+    assert bool(torch.isfinite(out[..., 15:, :]).all())
+    assert bool(torch.isfinite(lse[..., 15:]).all())
+
+
+def test_kernel_propagates_nan(kernel: object) -> None:
+    q, k, v = (randn(1, 1, 40, 8, dtype=torch.float32) for _ in range(3))
+    q[0, 0, 3, 0] = math.nan  # one query row
+    k[0, 0, 10, 0] = math.nan  # one key: every row that sees it
+    out, _ = compiled(q, k, v, scale=0.3, causal_offset=0)
+    rows_nan = out.isnan().any(dim=-1)[0, 0]
+    expected = torch.arange(40) >= 10
+    expected[3] = True
+    assert torch.equal(rows_nan, expected)
+
+
+def test_kernel_gives_the_same_bits_on_one_and_two_threads(kernel: object) -> None:
+    q, k, v = (randn(2, 3, 300, 40, dtype=torch.float32) for _ in range(3))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = compiled(q, k, v, scale=0.2, causal_offset=0)
+        torch.set_num_threads(2)
+        two = compiled(q, k, v, scale=0.2, causal_offset=0)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+def test_kernel_forward_feeds_the_loop_backward(kernel: object) -> None:
+    q, k, v = (randn(1, 2, 64, 16, dtype=torch.float32).requires_grad_() for _ in range(3))
+    out = qkv.attention(q, k, v, causal=True, backend="flash")
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    expected_out = qkv.attention(q64, k64, v64, causal=True, backend="reference")
+    expected = torch.autograd.grad(expected_out.square().sum(), (q64, k64, v64))
+    torch.testing.assert_close(out.double(), expected_out, atol=1e-5, rtol=1e-5)
+    for grad, want in zip(grads, expected):
+        torch.testing.assert_close(grad.double(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "why, call",
+    [
+        ("a mask", lambda q: flash.forward(q, q, q, scale=1.0, mask=torch.ones(32, 32) > 0)),
+        ("float64", lambda q: flash.forward(q.double(), q.double(), q.double(), scale=1.0)),
+        ("decoding", lambda q: flash.forward(q[..., :1, :], q, q, scale=1.0)),
+        ("empty", lambda q: flash.forward(q[..., :0], q[..., :0], q, scale=1.0)),
+    ],
+)
+def test_calls_the_kernel_does_not_take_run_on_the_loop(
+    kernel: object, monkeypatch: pytest.MonkeyPatch, why: str, call: object
+) -> None:
+    went_to_loop = []
+    monkeypatch.setattr(flash, "_Heads", _Recording(flash._Heads, went_to_loop))
+    call(randn(1, 2, 32, 8, dtype=torch.float32))  # type: ignore[operator]
+    assert went_to_loop, why
+    went_to_loop.clear()
+    flash.forward(*(randn(1, 2, 32, 8, dtype=torch.float32) for _ in range(3)), scale=1.0)
+    assert not went_to_loop, "a plain float32 call should run on the kernel"
+
+
+class _Recording:
+    """Stands in for flash._Heads and notes each time the loop starts."""
+
+    def __init__(self, heads: type, calls: list[int]) -> None:
+        self.heads, self.calls = heads, calls
+
+    def of(self, *args: object) -> object:
+        self.calls.append(1)
+        return self.heads.of(*args)  # type: ignore[attr-defined]

@@ -1,8 +1,9 @@
 """Builds and loads flash's compiled CPU kernel (``flash_cpu.cpp``) the first time it is needed.
 
 The kernel is compiled for the machine it runs on with torch's C++ extension tooling (a C++
-compiler and ninja) and cached by torch under ``~/.cache/torch_extensions`` (``TORCH_EXTENSIONS_DIR``
-moves it), so only the first use in a fresh environment pays the ~30 s build. Where it cannot be
+compiler and ninja) and cached by torch under ``~/.cache/torch_extensions`` (the environment
+variable ``TORCH_EXTENSIONS_DIR`` moves it), so only the first use in a fresh environment pays
+the ~30 s build. Where it cannot be
 built, flash warns once and runs its PyTorch loop, which computes the same thing more slowly.
 ``QKV_FLASH_KERNEL=0`` skips the kernel without trying.
 """

@@ -88,7 +88,8 @@ inline __m512 exp2_avx512(__m512 x) {
 }
 #endif
 
-// max_j s_j · c over one row (NaN scores are skipped here; they reach p and l below).
+// max_j s_j · c over one row. NaN scores are skipped here; they reach p and l below (a row
+// whose scores are all NaN or −inf is caught by the caller).
 inline float row_max(const float* s, int64_t n, float c) {
   float mx = kNegInf;
 #pragma omp simd reduction(max : mx)
@@ -231,7 +232,10 @@ std::vector<at::Tensor> forward_impl(
           float* s_r = s + r * kKeyBlock;
           const float m_new = std::max(m[r], row_max(s_r, seen, c));
           const int64_t width = low ? (kn + 1) / 2 * 2 : kn;
-          if (m_new == kNegInf) {  // no key seen yet: nothing to add
+          if (m_new == kNegInf) {  // no key seen yet: nothing to add, unless a score is NaN
+            if (std::any_of(s_r, s_r + seen, [](float x) { return std::isnan(x); })) {
+              l[r] = std::numeric_limits<float>::quiet_NaN();  // out and lse become NaN
+            }
             if constexpr (low) std::fill_n(p_low.data() + r * kKeyBlock, width, T(0.f));
             else std::fill_n(s_r, width, 0.f);
             continue;
