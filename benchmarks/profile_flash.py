@@ -1,10 +1,11 @@
 """Where the flash backend's time goes, next to torch's fused kernel: torch.profiler tables.
 
 Writes benchmarks/profiles.txt: for float32 and bfloat16 forward passes at T = 2048 (B=1, H=8,
-D=64, full attention) the operator table of flash and of torch's
-``scaled_dot_product_attention``, each on one thread so that the per-operator times add up; then
-the time per score of each part, which is what limits flash's speed relative to torch's kernel
-(see docs/performance.md); then where the time of one decoding step goes.
+D=64, full attention) the operator table of flash's PyTorch loop (its compiled kernel switched
+off) and of torch's ``scaled_dot_product_attention``, each on one thread so that the
+per-operator times add up; then the time per score of each part of the loop, next to the time
+per score of flash's compiled kernel and of torch's kernel (see docs/performance.md); then where
+the time of one decoding step goes.
 
     python benchmarks/profile_flash.py
 """
@@ -23,6 +24,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import qkv
+from qkv.backends import flash
 
 OUT = Path(__file__).resolve().parent / "profiles.txt"
 T, HEADS, DIM = 2048, 8, 64
@@ -49,11 +51,14 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v = (torch.randn(1, HEADS, T, DIM).to(dtype) for _ in range(3))
         name = str(dtype).removeprefix("torch.")
+        flash.COMPILED_KERNEL = False
         flash_ms = operator_table(
             lambda q=q, k=k, v=v: qkv.attention(q, k, v, backend="flash"),
-            f"flash {name}",
+            f"flash's PyTorch loop {name}",
             lines,
         )
+        flash.COMPILED_KERNEL = True
+        kernel_ms = median_ms(lambda q=q, k=k, v=v: qkv.attention(q, k, v, backend="flash"))
         torch_ms = operator_table(
             lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v),
             f"torch.nn.functional.scaled_dot_product_attention {name}",
@@ -71,14 +76,26 @@ def main() -> None:
         parts["torch"] = sum(torch_ms.values())
         per_score = {label: ms * 1e6 / scores for label, ms in parts.items()}
         lines += [
-            f"-- {name}, ns per score: flash {per_score['flash']:.2f} (matrix products "
+            f"-- {name}, ns per score: flash's loop {per_score['flash']:.2f} (matrix products "
             f"{per_score['products']:.2f}, max/subtract/exp2/sum passes {per_score['passes']:.2f},"
-            f" other {per_score['other']:.2f}); torch's kernel in all {per_score['torch']:.2f}",
+            f" other {per_score['other']:.2f}); torch's kernel in all {per_score['torch']:.2f};"
+            f" flash's compiled kernel in all {kernel_ms * 1e6 / scores:.2f}",
             "",
         ]
     lines += decode_profile()
     OUT.write_text("\n".join(lines) + "\n")
     print(f"wrote {OUT}")
+
+
+def median_ms(function) -> float:
+    """Median of 5 timed calls after a warm-up, in milliseconds."""
+    function()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        function()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[2]
 
 
 def decode_profile() -> list[str]:

@@ -51,10 +51,12 @@ for x = −inf, which every blocked score becomes.
 Grouped-query attention: the g query heads that share a key/value head are stacked as extra rows
 of one matrix product with that head's keys, so K and V are never repeated.
 
-Precision: float16 and bfloat16 inputs are converted to float32 once per call; scores, the
-running m, l and acc, exponentials, sums and all matrix products are float32. (bfloat16 matrix
-products would be faster on CPUs with bfloat16 units, but torch rounds their results to
-bfloat16, which makes the scores several times less accurate than the other backends'.)
+Precision: in the loop, float16 and bfloat16 inputs are converted to float32 once per call;
+scores, the running m, l and acc, exponentials, sums and all matrix products are float32 (torch's
+CPU matrix product would round bfloat16 products' results to bfloat16, scores included). The
+compiled kernel multiplies bfloat16 inputs on the CPU's bfloat16 matrix units with float32 sums,
+so its scores are the float32 ones too; its weights enter the product with the (bfloat16) values
+rounded to bfloat16, which changes the output by less than one unit in its last place.
 
 The compiled kernel: on CPUs, calls without a mask (causal or not, any batch and head layout,
 grouped heads, float32/float16/bfloat16) run the same forward recurrence compiled from
