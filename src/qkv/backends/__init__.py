@@ -51,11 +51,13 @@ def choose(call: Call) -> str:
       (16 queries against 1024 cached keys: flash 0.86 ms, sdpa 1.9 ms). One new token against
       its own cache has a causal rule that blocks nothing: ``qkv.attention`` drops it, and the
       call goes to sdpa with no mask.
-    - Otherwise ``"sdpa"``: torch's fused kernel was faster than flash on every other case
-      measured (forward and backward; bfloat16, float16, float64; padding masks; grouped
-      heads; T from 64 to 16384), except float32 forward passes without a mask, where flash's
-      compiled kernel is level with it (1.02-1.07x at T = 2048 and 4096). auto keeps sdpa
-      there: a tie does not justify the kernel's one-time build in a fresh environment.
+    - Otherwise ``"sdpa"``. Before flash had its compiled CPU kernel, torch's fused kernel was
+      faster on every other case measured (forward and backward; float32, bfloat16, float16,
+      float64; padding masks; grouped heads; T from 64 to 16384). With the kernel, flash is
+      level in float32 forward passes and faster on several causal calls without a mask
+      (docs/performance.md); the rule has not moved yet, because the full-length runs disagree
+      for bfloat16, flash's backward is slower, and choosing flash would make a call build the
+      kernel the first time.
     - When that backend cannot run the call, the next one that can: ``"flash"`` for empty
       sequences and NaN/Inf under a mask (which sdpa refuses), ``"sdpa"`` for dropout (which
       flash refuses), and ``"reference"``, the only backend that returns the weights.

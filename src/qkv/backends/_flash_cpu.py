@@ -1,16 +1,19 @@
 """Builds and loads flash's compiled CPU kernel (``flash_cpu.cpp``) the first time it is needed.
 
-The kernel is compiled for the machine it runs on with torch's C++ extension tooling (a C++
-compiler and ninja) and cached by torch under ``~/.cache/torch_extensions`` (the environment
-variable ``TORCH_EXTENSIONS_DIR`` moves it), so only the first use in a fresh environment pays
-the ~30 s build. Where it cannot be
-built, flash warns once and runs its PyTorch loop, which computes the same thing more slowly.
-``QKV_FLASH_KERNEL=0`` skips the kernel without trying.
+The kernel is compiled for the machine it runs on (``-march=native``) with torch's C++ extension
+tooling (a C++ compiler and ninja) and cached by torch under ``~/.cache/torch_extensions`` (the
+environment variable ``TORCH_EXTENSIONS_DIR`` moves it), so only the first use in a fresh
+environment pays the ~30 s build. The cached build is named after the CPU's feature flags, so a
+cache shared by different machines never hands one a build for another's instruction set. Where
+it cannot be built, flash warns once and runs its PyTorch loop, which computes the same thing
+more slowly. ``QKV_FLASH_KERNEL=0`` skips the kernel without trying.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -37,7 +40,7 @@ def _build() -> ModuleType | None:
         if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
         return cpp_extension.load(
-            name="qkv_flash_cpu",
+            name=f"qkv_flash_cpu_{_cpu_id()}",
             sources=[str(_SOURCE)],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -51,3 +54,16 @@ def _build() -> ModuleType | None:
             stacklevel=4,
         )
         return None
+
+
+def _cpu_id() -> str:
+    """A short hash of this CPU's model and feature flags (what ``-march=native`` compiles for)."""
+    description = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            description += "".join(
+                line for line in cpuinfo if line.startswith(("flags", "model name"))
+            )
+    except OSError:  # not Linux: the platform's own description
+        description += platform.processor()
+    return hashlib.sha256(description.encode()).hexdigest()[:12]
