@@ -183,17 +183,16 @@ def _compiled_forward(
         return None
     low = q.dtype == torch.bfloat16 and kernel.bfloat16_products()
     dtype = torch.bfloat16 if low else torch.float32
-    batch = _batch_shape(q, k, v)
-    hq, hkv = q.shape[-3], k.shape[-3]
-    n = math.prod(batch) * hkv
+    q_flat, k_flat, v_flat, batch = _flat_heads(q, k, v, dtype)
     out, lse = kernel.forward(
-        _flatten(q.to(dtype), batch, n * (hq // hkv)).contiguous(),  # (N·g, Lq, Dk)
-        _flatten(k.to(dtype), batch, n).contiguous(),  # (N, Lk, Dk)
-        _flatten(v.to(dtype), batch, n).contiguous(),  # (N, Lk, Dv)
+        q_flat.flatten(0, 1).contiguous(),  # (N·g, Lq, Dk)
+        k_flat.contiguous(),
+        v_flat.contiguous(),
         scale,
         causal_offset is not None,
         causal_offset or 0,
     )
+    hq = q.shape[-3]
     return out.view(*batch, hq, *out.shape[1:]), lse.view(*batch, hq, lse.shape[-1])
 
 
@@ -355,18 +354,14 @@ class _Heads:
         scale: float,
     ) -> _Heads:
         """Flattened heads in the compute dtype."""
-        batch = _batch_shape(q, k, v)
-        hq, hkv = q.shape[-3], k.shape[-3]
-        groups = hq // hkv if hkv else 1  # query heads per key/value head (no heads: any)
+        hkv = k.shape[-3]
         dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-        n = math.prod(batch) * hkv
-        q = _flatten(q.to(dtype) * (scale * LOG2_E), batch, n * groups)  # (N·g, Lq, Dk)
-        k = _flatten(k.to(dtype), batch, n)  # (N, Lk, Dk)
-        v = _flatten(v.to(dtype), batch, n)  # (N, Lk, Dv)
+        q, k, v, batch = _flat_heads(q, k, v, dtype)
+        q = q * (scale * LOG2_E)  # scores in base 2
         k_t = k.transpose(1, 2)  # (N, Dk, Lk)
-        if groups * q.shape[-2] >= _COPY_KEYS_ROWS:
+        if q.shape[1] * q.shape[2] >= _COPY_KEYS_ROWS:  # g · Lq rows per key/value head
             k_t = k_t.contiguous()
-        return cls(q.view(n, groups, *q.shape[-2:]), k, k_t, v, batch, hkv)
+        return cls(q, k, k_t, v, batch, hkv)
 
     n = property(lambda self: self.q.shape[0])
     g = property(lambda self: self.q.shape[1])
@@ -399,6 +394,20 @@ class _Heads:
     def unflatten_kv(self, x: torch.Tensor) -> torch.Tensor:
         """(N, Lk, F) -> (*B, Hkv, Lk, F)."""
         return x.reshape(*self.batch, self.hkv, *x.shape[1:])
+
+
+def _flat_heads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """q (N, g, Lq, Dk), k (N, Lk, Dk), v (N, Lk, Dv) in ``dtype`` and the batch dims (*B), for
+    N = B·Hkv key/value heads: query head j·g + i of a batch entry uses key/value head j. Views
+    whenever the inputs' layout and dtype allow; K and V are never copied per query head."""
+    batch = _batch_shape(q, k, v)
+    hq, hkv = q.shape[-3], k.shape[-3]
+    groups = hq // hkv if hkv else 1  # query heads per key/value head (no heads: any)
+    n = math.prod(batch) * hkv
+    q = _flatten(q.to(dtype), batch, n * groups).view(n, groups, *q.shape[-2:])
+    return q, _flatten(k.to(dtype), batch, n), _flatten(v.to(dtype), batch, n), batch
 
 
 def _batch_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
