@@ -48,19 +48,16 @@ constexpr float kLog2E = 1.4426950408889634f;
 
 // 2^x for x <= 0 (what the recurrence needs): 2^x = 2^n · 2^f with n = round(x) and
 // f in [−½, ½], where a degree-6 Taylor polynomial is within 2e-7 relative. Below −126 the
-// result is 0 (also for −inf); NaN stays NaN.
+// result is 0 (also for −inf); NaN stays NaN. Its coefficients, ln(2)^i / i!, highest first:
+constexpr float kExp2Taylor[] = {1.5252734e-05f, 1.5403530e-04f, 1.3333558e-03f, 9.6181291e-03f,
+                                 5.5504109e-02f, 2.4022651e-01f, 6.9314718e-01f, 1.0f};
+
 inline float exp2_scalar(float x) {
   const float xc = std::max(x, -126.f);
   const float n = std::nearbyint(xc);
   const float f = xc - n;
-  float p = 1.5252734e-05f;
-  p = p * f + 1.5403530e-04f;
-  p = p * f + 1.3333558e-03f;
-  p = p * f + 9.6181291e-03f;
-  p = p * f + 5.5504109e-02f;
-  p = p * f + 2.4022651e-01f;
-  p = p * f + 6.9314718e-01f;
-  p = p * f + 1.0f;
+  float p = kExp2Taylor[0];
+  for (int i = 1; i < 8; ++i) p = p * f + kExp2Taylor[i];
   const float r = std::ldexp(p, static_cast<int>(n));
   if (std::isnan(x)) return x;
   return x < -126.f ? 0.f : r;
@@ -72,14 +69,8 @@ inline __m512 exp2_avx512(__m512 x) {
   const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
   const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(xc, n);
-  __m512 p = _mm512_set1_ps(1.5252734e-05f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530e-04f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(kExp2Taylor[0]);
+  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Taylor[i]));
   __m512 r = _mm512_scalef_ps(p, n);
   const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_LT_OQ);
   r = _mm512_mask_blend_ps(under, r, _mm512_setzero_ps());
