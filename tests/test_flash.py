@@ -454,6 +454,18 @@ def compiled(
     return result
 
 
+def kernel_tolerances(kernel: object, dtype: torch.dtype) -> tuple[float, float]:
+    """The kernel's tolerances against the float64 loop for out and lse.
+
+    float32 and float16 run in float32 throughout: 1e-5. bfloat16 on the matrix units rounds
+    the weights to bfloat16 for the product with the values (2^-8 relative in out, below one
+    unit in the last place of the bfloat16 output), and computes them, and so their sum, with
+    a cheaper 2^x that is within 7.5e-5 relative (1e-4 in lse).
+    """
+    low = dtype == torch.bfloat16 and kernel.bfloat16_products()  # type: ignore[attr-defined]
+    return (2.0**-8, 1e-4) if low else (1e-5, 1e-5)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     batch=st.sampled_from([(), (1,), (2,), (2, 1)]),
@@ -504,19 +516,61 @@ def test_kernel_in_low_precision(kernel: object, dtype: torch.dtype, causal_offs
                randn(2, 2, 700, 48, dtype=dtype))  # fmt: skip
     out, lse = compiled(q, k, v, scale=0.125, causal_offset=causal_offset)
     expected_out, expected_lse = by_the_loop(q, k, v, scale=0.125, causal_offset=causal_offset)
-    # Scores, softmax and sums are float32. float16 is computed in float32 throughout; bfloat16
-    # products run on the CPU's bfloat16 matrix units, where the weights enter the product with
-    # the (bfloat16) values rounded to bfloat16: 2^-8 relative, below one unit in the last place
-    # of the bfloat16 output.
-    low = dtype == torch.bfloat16 and kernel.bfloat16_products()  # type: ignore[attr-defined]
-    tolerance = 2.0**-8 if low else 1e-5
-    torch.testing.assert_close(out.double(), expected_out, atol=tolerance, rtol=tolerance)
-    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-5, rtol=1e-5)
+    out_tolerance, lse_tolerance = kernel_tolerances(kernel, dtype)
+    torch.testing.assert_close(out.double(), expected_out, atol=out_tolerance, rtol=out_tolerance)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=lse_tolerance, rtol=lse_tolerance)
     final = qkv.attention(q, k, v, causal=False, backend="flash") if causal_offset is None else None
     if final is not None:  # the output in the input dtype: within the contract's tolerance
         assert final.dtype == dtype
         atol, rtol = TOLERANCE[dtype]
         torch.testing.assert_close(final.double(), oracle(q, k, v)[0], atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("jump", [12.0, 200.0])
+@pytest.mark.parametrize("causal_offset", [None, 0])
+def test_kernel_follows_scores_that_jump_between_key_blocks(
+    kernel: object, dtype: torch.dtype, jump: float, causal_offset: int | None
+) -> None:
+    # A row's first key block sets its reference maximum m. Keys from 1024 on score `jump`
+    # base-2 units higher than the keys before them (around 0, where float32 scores are
+    # precise), so there m must move up: by a little (the earlier weights still count) or by
+    # more than float32's range (weights against the old m would overflow).
+    lq, lk, d = 1600, 1600, 32
+    scale = d**-0.5
+    q = 1 + 0.1 * randn(1, 2, lq, d, dtype=torch.float32)
+    k = 0.1 * randn(1, 2, lk, d, dtype=torch.float32)
+    k[..., :1024, :] -= jump / (d * scale * math.log2(math.e))
+    v = randn(1, 2, lk, 24, dtype=torch.float32)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    exponents = (q.double() @ k.double().transpose(-1, -2)) * scale * math.log2(math.e)
+    rise = exponents[..., 1024:, 1024] - exponents[..., 1024:, :512].amax(-1)
+    assert bool((rise > 8).all()), "the construction should move the m of every row from 1024"
+    out, lse = compiled(q, k, v, scale=scale, causal_offset=causal_offset)
+    expected_out, expected_lse = by_the_loop(q, k, v, scale=scale, causal_offset=causal_offset)
+    # Rows from 1024 see the jump. (Causally, earlier rows see only scores around −jump, where
+    # float32 scores themselves are off by |score| · 2^-24: not what this test is about.)
+    rows = slice(1024, None) if causal_offset == 0 else slice(None)
+    out_tolerance, lse_tolerance = kernel_tolerances(kernel, dtype)
+    torch.testing.assert_close(
+        out[..., rows, :].double(),
+        expected_out[..., rows, :],
+        atol=out_tolerance,
+        rtol=out_tolerance,
+    )
+    torch.testing.assert_close(
+        lse[..., rows].double(), expected_lse[..., rows], atol=lse_tolerance, rtol=lse_tolerance
+    )
+
+
+def test_kernel_restores_the_callers_floating_point_mode(kernel: object) -> None:
+    # The kernel flushes results below 2^-126 to zero while it runs; the caller's thread must
+    # get its subnormal numbers back afterwards.
+    tiny = torch.tensor(1e-38, dtype=torch.float32)
+    assert float(tiny * 1e-3) != 0.0
+    compiled(*(randn(1, 1, 64, 8, dtype=torch.float32) for _ in range(3)), scale=1.0,
+             causal_offset=None)  # fmt: skip
+    assert float(tiny * 1e-3) != 0.0
 
 
 def test_kernel_rows_without_keys_are_zero_with_lse_minus_infinity(kernel: object) -> None:

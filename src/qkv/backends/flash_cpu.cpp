@@ -13,7 +13,16 @@
 //
 // and at the end out = acc / l, lse = (m + log2 l) · ln 2. A row with no key keeps l = 0: out 0,
 // lse −inf. Causal key blocks past the block's last diagonal are skipped; in a block the diagonal
-// crosses, each row only exponentiates the keys it may see and the rest of its p is 0.
+// crosses, each row only exponentiates the keys it may see, the rest of its p is 0, and the
+// products stop at the last key any row of the block may see.
+//
+// m need not be the exact maximum, only a reference the weights are measured from: any m gives
+// the same out and lse as long as 2^(s · c − m) neither overflows nor loses the largest weights
+// to underflow. So a row's first key block sets m to its exact maximum, and later blocks
+// exponentiate against the m they find, keeping the block's largest exponent on the side (in
+// the same pass, instead of a separate pass for the maximum). Only when that exponent exceeds
+// kHeadroom (weights above 2^8) does m move up to the new maximum, and that row of the block is
+// exponentiated again: the recurrence above with m updated only when it matters.
 //
 // Matrix products go through at::native::cpublas::brgemm, torch's small-matrix kernel (oneDNN):
 // float32 products use the vector units; bfloat16 products use the CPU's bfloat16 matrix units
@@ -31,6 +40,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -42,86 +52,122 @@ namespace {
 
 constexpr int64_t kQueryBlock = 128;  // rows per block: big enough for the matrix units
 constexpr int64_t kKeyBlock = 512;    // keys per block: (Bq, Bk) float32 scores fit in L2
+// Row strides of the score and weight buffers: a little over a power of two bytes, so that
+// the rows a matrix tile touches do not all fall into the same few cache sets.
+constexpr int64_t kScoreStride = kKeyBlock + 16, kWeightStride = kKeyBlock + 32;
+constexpr float kHeadroom = 8.f;  // weights may reach 2^8 before m moves up
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kLog2E = 1.4426950408889634f;
 
-// 2^x for x <= 0 (what the recurrence needs): 2^x = 2^n · 2^f with n = round(x) and
-// f in [−½, ½], where a degree-6 Taylor polynomial is within 2e-7 relative. Below −126 the
-// result is 0 (also for −inf); NaN stays NaN. Its coefficients, ln(2)^i / i!, highest first:
-constexpr float kExp2Taylor[] = {1.5252734e-05f, 1.5403530e-04f, 1.3333558e-03f, 9.6181291e-03f,
-                                 5.5504109e-02f, 2.4022651e-01f, 6.9314718e-01f, 1.0f};
+// 2^x for x <= kHeadroom (what the recurrence needs): 2^x = 2^n · 2^f with n = round(x) and
+// f in [−½, ½], where a polynomial approximates 2^f. Below −126 the result is 0 (also for −inf);
+// NaN stays NaN. Coefficients, highest power first, fitted for least maximum relative error:
+// degree 5 is within 2.4e-7 (float32 weights); degree 3 within 7.5e-5, far inside bfloat16's
+// rounding (2^-9), for the weights that are rounded to bfloat16 anyway.
+constexpr float kExp2Degree5[] = {1.3276472e-03f, 9.6755419e-03f, 5.5507131e-02f,
+                                  2.4022120e-01f, 6.9314694e-01f, 1.0000001f};
+constexpr float kExp2Degree3[] = {5.5171669e-02f, 2.4261115e-01f, 6.9326097e-01f, 9.9992806e-01f};
 
 inline float exp2_scalar(float x) {
-  const float xc = std::max(x, -126.f);
-  const float n = std::nearbyint(xc);
-  const float f = xc - n;
-  float p = kExp2Taylor[0];
-  for (int i = 1; i < 8; ++i) p = p * f + kExp2Taylor[i];
-  const float r = std::ldexp(p, static_cast<int>(n));
   if (std::isnan(x)) return x;
-  return x < -126.f ? 0.f : r;
+  if (x < -126.f) return 0.f;
+  const float n = std::nearbyint(x);
+  const float f = x - n;
+  float p = 0.f;
+  for (float coefficient : kExp2Degree5) p = p * f + coefficient;
+  return std::ldexp(p, static_cast<int>(n));
 }
 
 #if defined(__AVX512F__)
-// The same 2^x on 16 lanes.
-inline __m512 exp2_avx512(__m512 x) {
-  const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
-  const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(xc, n);
-  __m512 p = _mm512_set1_ps(kExp2Taylor[0]);
-  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Taylor[i]));
-  __m512 r = _mm512_scalef_ps(p, n);
-  const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_LT_OQ);
-  r = _mm512_mask_blend_ps(under, r, _mm512_setzero_ps());
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  return _mm512_mask_blend_ps(nan, r, x);
+// The same 2^x on 16 lanes. n = round(x) and f = x − n come from one instruction each (for −inf
+// they give −inf and 0, so the result is 0; NaN stays NaN), and 2^n · p(f) from scalef. Results
+// below 2^-126 are flushed to 0 by the flush-to-zero mode the kernel runs in (see forward_impl).
+template <int Terms>
+inline __m512 exp2_avx512(__m512 x, const float (&coefficients)[Terms]) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_set1_ps(coefficients[0]);
+  for (int i = 1; i < Terms; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(coefficients[i]));
+  return _mm512_scalef_ps(p, n);
 }
 #endif
 
-// max_j s_j · c over one row. NaN scores are skipped here; they reach p and l below (a row
-// whose scores are all NaN or −inf is caught by the caller).
-inline float row_max(const float* s, int64_t n, float c) {
-  float mx = kNegInf;
-#pragma omp simd reduction(max : mx)
-  for (int64_t j = 0; j < n; ++j) {
-    const float x = s[j] * c;
-    mx = x > mx ? x : mx;
-  }
-  return mx;
-}
-
-// p_j = 2^(s_j · c − m) written to p (float32 or bfloat16); returns Σ_j p_j.
-template <typename P>
-inline float exp_row(const float* s, P* p, int64_t n, float c, float m) {
+// The running extreme of one row's scores: the largest (Up) or the smallest. NaN is skipped.
+template <bool Up>
+inline float row_extreme(const float* s, int64_t n) {
+  const auto better = [](float a, float b) { return Up ? std::max(a, b) : std::min(a, b); };
+  float best = Up ? kNegInf : -kNegInf;
   int64_t j = 0;
-  float sum = 0.f;
 #if defined(__AVX512F__)
-  __m512 sums = _mm512_setzero_ps();
-  const __m512 vc = _mm512_set1_ps(c), vm = _mm512_set1_ps(m);
-  for (; j + 16 <= n; j += 16) {
-    const __m512 e = exp2_avx512(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vc, vm));
-    sums = _mm512_add_ps(sums, e);
-    if constexpr (std::is_same_v<P, float>) {
-      _mm512_storeu_ps(p + j, e);
-    } else {
-#if defined(__AVX512BF16__)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh(e));
-#else
-      alignas(64) float lanes[16];
-      _mm512_store_ps(lanes, e);
-      for (int i = 0; i < 16; ++i) p[j + i] = P(lanes[i]);
-#endif
-    }
+  // Four running extremes, so that each comparison need not wait for the one before.
+  const auto step = [](__m512 x, __m512 e) { return Up ? _mm512_max_ps(x, e) : _mm512_min_ps(x, e); };
+  __m512 e0 = _mm512_set1_ps(best), e1 = e0, e2 = e0, e3 = e0;
+  for (; j + 64 <= n; j += 64) {
+    e0 = step(_mm512_loadu_ps(s + j), e0);
+    e1 = step(_mm512_loadu_ps(s + j + 16), e1);
+    e2 = step(_mm512_loadu_ps(s + j + 32), e2);
+    e3 = step(_mm512_loadu_ps(s + j + 48), e3);
   }
-  sum = _mm512_reduce_add_ps(sums);
+  for (; j + 16 <= n; j += 16) e0 = step(_mm512_loadu_ps(s + j), e0);
+  const __m512 e = step(step(e0, e1), step(e2, e3));
+  best = Up ? _mm512_reduce_max_ps(e) : _mm512_reduce_min_ps(e);
+#endif
+  for (; j < n; ++j) best = better(best, s[j]);
+  return best;
+}
+
+// max_j s_j · c over one row: c times the largest score, or the smallest where c < 0. NaN scores
+// are skipped here; they reach p and l below (a row whose scores are all NaN or −inf is caught
+// by the caller).
+inline float row_max(const float* s, int64_t n, float c) {
+  const float top = (c >= 0.f ? row_extreme<true>(s, n) : row_extreme<false>(s, n)) * c;
+  return std::isnan(top) ? kNegInf : top;  // no score, or an infinite one times c = 0
+}
+
+struct Exponentials {
+  float sum;  // Σ_j p_j
+  float top;  // max_j (s_j · c − m), NaN skipped: above kHeadroom, m must move up
+};
+
+// p_j = 2^(s_j · c − m) written to p (float32 or bfloat16), with their sum and largest exponent.
+template <typename P>
+inline Exponentials exp_row(const float* s, P* p, int64_t n, float c, float m) {
+  int64_t j = 0;
+  Exponentials row{0.f, kNegInf};
+#if defined(__AVX512F__)
+  __m512 sums = _mm512_setzero_ps(), tops = _mm512_set1_ps(kNegInf);
+  const __m512 vc = _mm512_set1_ps(c), vm = _mm512_set1_ps(m);
+  if constexpr (std::is_same_v<P, float>) {
+    for (; j + 16 <= n; j += 16) {
+      const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), vc, vm);
+      tops = _mm512_max_ps(x, tops);  // the second operand where x is NaN
+      const __m512 e = exp2_avx512(x, kExp2Degree5);
+      sums = _mm512_add_ps(sums, e);
+      _mm512_storeu_ps(p + j, e);
+    }
+  } else {
+#if defined(__AVX512BF16__)
+    for (; j + 32 <= n; j += 32) {  // two vectors of weights make one of bfloat16
+      const __m512 x0 = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), vc, vm);
+      const __m512 x1 = _mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), vc, vm);
+      tops = _mm512_max_ps(x0, _mm512_max_ps(x1, tops));
+      const __m512 e0 = exp2_avx512(x0, kExp2Degree3), e1 = exp2_avx512(x1, kExp2Degree3);
+      sums = _mm512_add_ps(sums, _mm512_add_ps(e0, e1));
+      _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    }
+#endif
+  }
+  row = {_mm512_reduce_add_ps(sums), _mm512_reduce_max_ps(tops)};
 #endif
   for (; j < n; ++j) {
-    const float e = exp2_scalar(s[j] * c - m);
-    sum += e;
+    const float x = s[j] * c - m;
+    row.top = x > row.top ? x : row.top;
+    const float e = exp2_scalar(x);
+    row.sum += e;
     p[j] = P(e);
   }
-  return sum;
+  return row;
 }
 
 // Keys and values in the order the products read them.
@@ -171,6 +217,7 @@ std::vector<at::Tensor> forward_impl(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
     int64_t offset) {
   constexpr bool low = std::is_same_v<T, at::BFloat16>;
+  using P = std::conditional_t<low, T, float>;  // the weights' type
   const int64_t NG = q.size(0), Lq = q.size(1), D = q.size(2);
   const int64_t N = k.size(0), S = k.size(1), Dv = v.size(2);
   const int64_t g = NG / N;
@@ -191,12 +238,20 @@ std::vector<at::Tensor> forward_impl(
   float* od = out.data_ptr<float>();
   float* ld = lse.data_ptr<float>();
 
-  at::parallel_for(0, NG * query_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(kQueryBlock * kKeyBlock), acc(kQueryBlock * Dv);
+  // Blocks are handed out one at a time, so a core that runs slower (another process on it)
+  // takes fewer; causal blocks go longest first, so none is left alone at the end.
+  std::atomic<int64_t> next_block{0};
+  const int64_t blocks = NG * query_blocks;
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    // Flush-to-zero: 2^x below 2^-126 becomes 0 (exp2_avx512) without slow subnormal results.
+    const unsigned int control = _mm_getcsr();
+    _mm_setcsr(control | _MM_FLUSH_ZERO_ON);
+    std::vector<float> scores(kQueryBlock * kScoreStride), acc(kQueryBlock * Dv);
     std::vector<float> m(kQueryBlock), l(kQueryBlock);
-    std::vector<T> p_low(low ? kQueryBlock * kKeyBlock : 0);
-    for (int64_t z = begin; z < end; ++z) {
-      const int64_t head = z / query_blocks, q0 = (z % query_blocks) * kQueryBlock;
+    std::vector<P> weights(kQueryBlock * kWeightStride);
+    for (int64_t z; (z = next_block.fetch_add(1)) < blocks;) {
+      const int64_t head = z / query_blocks, i = z % query_blocks;
+      const int64_t q0 = (causal ? query_blocks - 1 - i : i) * kQueryBlock;
       const int64_t kv = head / g, rows = std::min(kQueryBlock, Lq - q0);
       const T* q_block = qd + (head * Lq + q0) * De;
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -206,57 +261,58 @@ std::vector<at::Tensor> forward_impl(
       const int64_t keys_end =
           causal ? std::clamp<int64_t>(q0 + rows + offset, 0, S) : S;
       for (int64_t k0 = 0; k0 < keys_end; k0 += kKeyBlock) {
-        const int64_t kn = std::min(kKeyBlock, S - k0), block = k0 / kKeyBlock;
+        const int64_t kn = std::min(kKeyBlock, keys_end - k0), block = k0 / kKeyBlock;
         float* s = scores.data();
-        if constexpr (low) {  // s = q · kᵀ, bfloat16 products, float32 sums
+        if constexpr (low) {  // s = q · kᵀ, bfloat16 products, float32 sums, whole 32-key groups
+          const int64_t kn32 = std::min(kKeyBlock, (kn + 31) / 32 * 32);
           at::native::cpublas::brgemm(
-              rows, kKeyBlock, De, De, kKeyBlock, kKeyBlock, false, q_block,
+              rows, kn32, De, De, kKeyBlock, kScoreStride, false, q_block,
               kd + (kv * key_blocks + block) * De * kKeyBlock, s, true);
         } else {
           at::native::cpublas::brgemm(
-              rows, kn, D, D, S, kKeyBlock, false, q_block, kd + kv * D * S + k0, s, false);
+              rows, kn, D, D, S, kScoreStride, false, q_block, kd + kv * D * S + k0, s, false);
         }
         for (int64_t r = 0; r < rows; ++r) {
           // Keys of this block row r may see; the rest of its p is 0.
           const int64_t seen =
               causal ? std::clamp<int64_t>(q0 + r + offset + 1 - k0, 0, kn) : kn;
-          float* s_r = s + r * kKeyBlock;
-          const float m_new = std::max(m[r], row_max(s_r, seen, c));
           const int64_t width = low ? (kn + 1) / 2 * 2 : kn;
-          if (m_new == kNegInf) {  // no key seen yet: nothing to add, unless a score is NaN
-            if (std::any_of(s_r, s_r + seen, [](float x) { return std::isnan(x); })) {
-              l[r] = std::numeric_limits<float>::quiet_NaN();  // out and lse become NaN
+          float* s_r = s + r * kScoreStride;
+          P* p_r = weights.data() + r * kWeightStride;
+          std::fill(p_r + seen, p_r + width, P(0.f));
+          if (m[r] == kNegInf) {  // the row's first keys: their maximum becomes m
+            const float m_new = row_max(s_r, seen, c);
+            if (m_new == kNegInf) {  // no key seen yet: nothing to add, unless a score is NaN
+              if (std::any_of(s_r, s_r + seen, [](float x) { return std::isnan(x); })) {
+                l[r] = std::numeric_limits<float>::quiet_NaN();  // out and lse become NaN
+              }
+              std::fill(p_r, p_r + seen, P(0.f));
+              continue;
             }
-            if constexpr (low) std::fill_n(p_low.data() + r * kKeyBlock, width, T(0.f));
-            else std::fill_n(s_r, width, 0.f);
+            m[r] = m_new;
+            l[r] = exp_row<P>(s_r, p_r, seen, c, m_new).sum;
             continue;
           }
-          float sum;
-          if constexpr (low) {
-            T* p_r = p_low.data() + r * kKeyBlock;
-            sum = exp_row<T>(s_r, p_r, seen, c, m_new);
-            std::fill(p_r + seen, p_r + width, T(0.f));
-          } else {
-            sum = exp_row<float>(s_r, s_r, seen, c, m_new);  // p overwrites s
-            std::fill(s_r + seen, s_r + width, 0.f);
-          }
-          const float alpha = exp2_scalar(m[r] - m_new);
-          l[r] = alpha * l[r] + sum;
-          m[r] = m_new;
-          if (alpha != 1.f) {
+          Exponentials row = exp_row<P>(s_r, p_r, seen, c, m[r]);
+          if (row.top > kHeadroom) {  // a score far above m: m moves up to it, the row is redone
+            const float alpha = exp2_scalar(-row.top);  // 2^(m_old − m_new)
+            m[r] += row.top;
+            row = exp_row<P>(s_r, p_r, seen, c, m[r]);
+            l[r] *= alpha;
             float* acc_r = acc.data() + r * Dv;
 #pragma omp simd
             for (int64_t e = 0; e < Dv; ++e) acc_r[e] *= alpha;
           }
+          l[r] += row.sum;
         }
         if constexpr (low) {  // acc += p · v_block
           at::native::cpublas::brgemm(
-              rows, Dv, (kn + 1) / 2 * 2, kKeyBlock, Dv, Dv, true, p_low.data(),
+              rows, Dv, (kn + 1) / 2 * 2, kWeightStride, Dv, Dv, true, weights.data(),
               vd + (kv * key_blocks + block) * kKeyBlock * Dv, acc.data(), true);
         } else {
           at::native::cpublas::brgemm(
-              rows, Dv, kn, kKeyBlock, Dv, Dv, true, s, vd + (kv * S + k0) * Dv, acc.data(),
-              false);
+              rows, Dv, kn, kWeightStride, Dv, Dv, true, weights.data(), vd + (kv * S + k0) * Dv,
+              acc.data(), false);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
@@ -268,6 +324,7 @@ std::vector<at::Tensor> forward_impl(
       }
     }
     if constexpr (low) at::native::cpublas::brgemm_release(true);
+    _mm_setcsr(control);
   });
   return {out, lse};
 }
