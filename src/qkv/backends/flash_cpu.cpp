@@ -27,7 +27,8 @@
 // Matrix products go through at::native::cpublas::brgemm, torch's small-matrix kernel (oneDNN):
 // float32 products use the vector units; bfloat16 products use the CPU's bfloat16 matrix units
 // (AMX) with float32 sums, which need each key block in pairs-of-rows ("VNNI") order, built once
-// per call. Scores, softmax and accumulation are float32 in both cases.
+// per call. Scores, softmax and accumulation are float32 in both cases; the weights that are
+// rounded to bfloat16 for the product come from a cheaper 2^x (within 7.5e-5 relative).
 //
 // Inputs: q (NG, Lq, D), k (N, S, D), v (N, S, Dv), contiguous, all float32 or all bfloat16;
 // query head i uses key/value head i / (NG / N) (grouped-query heads, K/V never repeated).
@@ -130,37 +131,67 @@ struct Exponentials {
   float top;  // max_j (s_j · c − m), NaN skipped: above kHeadroom, m must move up
 };
 
+#if defined(__AVX512F__)
+// 2^x for weights of type P: float32 weights to float32 precision, bfloat16 ones cheaper.
+template <typename P>
+inline __m512 weight_exp2(__m512 x) {
+  if constexpr (std::is_same_v<P, float>) return exp2_avx512(x, kExp2Degree5);
+  else return exp2_avx512(x, kExp2Degree3);
+}
+#endif
+
 // p_j = 2^(s_j · c − m) written to p (float32 or bfloat16), with their sum and largest exponent.
 template <typename P>
 inline Exponentials exp_row(const float* s, P* p, int64_t n, float c, float m) {
+  constexpr bool f32 = std::is_same_v<P, float>;
   int64_t j = 0;
   Exponentials row{0.f, kNegInf};
 #if defined(__AVX512F__)
   __m512 sums = _mm512_setzero_ps(), tops = _mm512_set1_ps(kNegInf);
   const __m512 vc = _mm512_set1_ps(c), vm = _mm512_set1_ps(m);
-  if constexpr (std::is_same_v<P, float>) {
+  if constexpr (f32) {
     for (; j + 16 <= n; j += 16) {
       const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), vc, vm);
       tops = _mm512_max_ps(x, tops);  // the second operand where x is NaN
-      const __m512 e = exp2_avx512(x, kExp2Degree5);
+      const __m512 e = weight_exp2<P>(x);
       sums = _mm512_add_ps(sums, e);
       _mm512_storeu_ps(p + j, e);
     }
-  } else {
+  }
 #if defined(__AVX512BF16__)
+  if constexpr (!f32) {
     for (; j + 32 <= n; j += 32) {  // two vectors of weights make one of bfloat16
       const __m512 x0 = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), vc, vm);
       const __m512 x1 = _mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), vc, vm);
       tops = _mm512_max_ps(x0, _mm512_max_ps(x1, tops));
-      const __m512 e0 = exp2_avx512(x0, kExp2Degree3), e1 = exp2_avx512(x1, kExp2Degree3);
+      const __m512 e0 = weight_exp2<P>(x0), e1 = weight_exp2<P>(x1);
       sums = _mm512_add_ps(sums, _mm512_add_ps(e0, e1));
       _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
     }
+  }
+  constexpr bool vector_weights = true;
+#else
+  constexpr bool vector_weights = f32;
 #endif
+  if constexpr (vector_weights) {
+    for (; j < n; j += 16) {  // the last keys, in as many lanes as are left
+      const __mmask16 lanes = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(lanes, s + j), vc, vm);
+      tops = _mm512_mask_max_ps(tops, lanes, x, tops);
+      const __m512 e = weight_exp2<P>(x);
+      sums = _mm512_mask_add_ps(sums, lanes, sums, e);
+      if constexpr (f32) {
+        _mm512_mask_storeu_ps(p + j, lanes, e);
+      } else {
+#if defined(__AVX512BF16__)
+        _mm256_mask_storeu_epi16(p + j, lanes, (__m256i)_mm512_cvtneps_pbh(e));
+#endif
+      }
+    }
   }
   row = {_mm512_reduce_add_ps(sums), _mm512_reduce_max_ps(tops)};
 #endif
-  for (; j < n; ++j) {
+  for (; j < n; ++j) {  // without AVX-512 (or bfloat16 conversions): one at a time
     const float x = s[j] * c - m;
     row.top = x > row.top ? x : row.top;
     const float e = exp2_scalar(x);
