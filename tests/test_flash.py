@@ -368,8 +368,8 @@ def test_refusals_say_why() -> None:
         qkv.attention(q, q, q, mask=learned, backend="flash")
 
 
-def _call(lq: int, lk: int, **kwargs: object) -> Call:
-    q, k = torch.randn(1, 2, lq, 4), torch.randn(1, 2, lk, 4)
+def _call(lq: int, lk: int, dtype: torch.dtype = torch.float32, **kwargs: object) -> Call:
+    q, k = torch.randn(1, 2, lq, 4, dtype=dtype), torch.randn(1, 2, lk, 4, dtype=dtype)
     fields = {"mask": None, "causal_offset": None, "scale": 0.5, "dropout_p": 0.0}
     fields.update({"return_weights": False, **kwargs})
     return Call(q, k, k, **fields)  # type: ignore[arg-type]
@@ -380,9 +380,9 @@ def _call(lq: int, lk: int, **kwargs: object) -> Call:
     [
         (_call(1, 300, causal_offset=299), "flash"),  # decoding against a cache
         (_call(64, 300, mask=torch.ones(64, 300, dtype=torch.bool)), "flash"),
-        (_call(300, 300, causal_offset=0), "sdpa"),  # torch's is_causal
-        (_call(1, 300), "sdpa"),  # no mask to build
-        (_call(100, 300, causal_offset=200), "sdpa"),
+        (_call(1, 300), "sdpa"),  # one query, no mask: torch's kernel
+        (_call(300, 300, mask=torch.ones(300, 300, dtype=torch.bool)), "sdpa"),  # many queries
+        (_call(300, 300, torch.float64, causal_offset=0), "sdpa"),  # not the kernel's dtype
         (_call(100, 800, causal_offset=700), "flash"),  # few queries for the keys
         (_call(0, 5), "flash"),  # empty: sdpa refuses
         (_call(1, 300, causal_offset=299, dropout_p=0.1), "sdpa"),  # flash refuses dropout
@@ -391,6 +391,29 @@ def _call(lq: int, lk: int, **kwargs: object) -> Call:
 )
 def test_auto_rule(call: Call, expected: str) -> None:
     assert backends.choose(call) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "lq, lk, causal_offset", [(300, 300, 0), (300, 300, None), (100, 300, 200)]
+)
+def test_auto_picks_the_compiled_kernel_for_calls_without_a_mask_or_gradients(
+    kernel: object,
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    lq: int,
+    lk: int,
+    causal_offset: int | None,
+) -> None:
+    call = _call(lq, lk, dtype, causal_offset=causal_offset)
+    assert backends.choose(call) == "flash"
+    learning = _call(lq, lk, dtype, causal_offset=causal_offset)
+    learning.q.requires_grad_()
+    assert backends.choose(learning) == "sdpa"  # a backward pass may follow: torch's is faster
+    with torch.no_grad():
+        assert backends.choose(learning) == "flash"
+    monkeypatch.setattr(flash, "COMPILED_KERNEL", False)
+    assert backends.choose(call) == "sdpa"  # flash's loop is slower than torch's kernel here
 
 
 @settings(max_examples=15, deadline=None)

@@ -47,24 +47,26 @@ def choose(call: Call) -> str:
 
     - Few queries for the keys (Lq <= 64, or Lq <= Lk / 8) under a mask or a causal rule that
       is not top-left, as when prefilling a chunk against a KV cache: ``"flash"``. torch's
-      kernel needs such a rule as an explicit mask, which costs it more than flash's tiles
-      (16 queries against 1024 cached keys: flash 0.86 ms, sdpa 1.9 ms). One new token against
-      its own cache has a causal rule that blocks nothing: ``qkv.attention`` drops it, and the
-      call goes to sdpa with no mask.
-    - Otherwise ``"sdpa"``. Before flash had its compiled CPU kernel, torch's fused kernel was
-      faster on every other case measured (forward and backward; float32, bfloat16, float16,
-      float64; padding masks; grouped heads; T from 64 to 16384). With the kernel, flash is
-      level in float32 forward passes and faster on several causal calls without a mask
-      (docs/performance.md); the rule has not moved yet, because the full-length runs disagree
-      for bfloat16, flash's backward is slower, and choosing flash would make a call build the
-      kernel the first time.
+      kernel needs such a rule as an explicit mask, which costs it more than flash's tiles.
+      One new token against its own cache has a causal rule that blocks nothing:
+      ``qkv.attention`` drops it, and the call goes to sdpa with no mask.
+    - No mask (causal or not), no gradient to follow, and a call flash's compiled CPU kernel
+      takes (``flash.kernel_takes``: CPU, float32/float16/bfloat16, at least 16 queries):
+      ``"flash"``, faster than torch's fused kernel on every such call measured. Where the
+      inputs need gradients, sdpa: flash's backward is its PyTorch loop, slower than torch's.
+    - Otherwise ``"sdpa"``: torch's fused kernel was the fastest on every other case measured
+      (decoding one token; masks with many queries; float64; forward+backward).
     - When that backend cannot run the call, the next one that can: ``"flash"`` for empty
       sequences and NaN/Inf under a mask (which sdpa refuses), ``"sdpa"`` for dropout (which
       flash refuses), and ``"reference"``, the only backend that returns the weights.
     """
     lq, lk = call.q.shape[-2], call.k.shape[-2]
     masked = call.mask is not None or call.causal_offset not in (None, 0)
-    if masked and (lq <= 64 or 8 * lq <= lk):
+    few_queries_under_a_mask = masked and (lq <= 64 or 8 * lq <= lk)
+    inference_on_the_kernel = (
+        call.mask is None and not _needs_gradients(call) and _flash_kernel_takes(call)
+    )
+    if few_queries_under_a_mask or inference_on_the_kernel:
         order = ("flash", "sdpa", "reference")
     else:
         order = ("sdpa", "flash", "reference")
@@ -75,6 +77,17 @@ def choose(call: Call) -> str:
             return name
         reasons.append(f"{name}: {reason}")
     raise Unsupported("no backend can run this call (" + "; ".join(reasons) + ")")
+
+
+def _needs_gradients(call: Call) -> bool:
+    """Whether autograd will record this call (a backward pass may follow)."""
+    tensors = (call.q, call.k, call.v, call.mask)
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _flash_kernel_takes(call: Call) -> bool:
+    takes: bool = _module("flash").kernel_takes(call.q, call.k, call.v)
+    return takes
 
 
 def run(call: Call, backend: str) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -165,20 +165,27 @@ def forward(
         return heads.unflatten(out), heads.unflatten(lse)
 
 
+def kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``forward`` runs these inputs (given no mask) on the compiled CPU kernel: it is
+    switched on, the tensors are on the CPU in float32, float16 or bfloat16, there are at least
+    ``_COMPILED_MIN_QUERIES`` queries and nothing is empty, and the kernel is built (the first
+    call that asks builds it)."""
+    return (
+        COMPILED_KERNEL
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and q.shape[-2] >= _COMPILED_MIN_QUERIES
+        and 0 not in (q.numel(), k.numel(), v.numel())
+        and _flash_cpu.load() is not None
+    )
+
+
 def _compiled_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``forward`` (without a mask) on the compiled CPU kernel, or None where it does not apply:
-    switched off, not built, not a CPU tensor, float64, empty, or too few queries."""
-    if (
-        not COMPILED_KERNEL
-        or q.device.type != "cpu"
-        or q.dtype not in (torch.float32, torch.float16, torch.bfloat16)
-        or q.shape[-2] < _COMPILED_MIN_QUERIES
-        or 0 in (q.numel(), k.numel(), v.numel())
-    ):
-        return None
-    kernel = _flash_cpu.load()
+    """``forward`` (without a mask) on the compiled CPU kernel, or None where it does not apply
+    (``kernel_takes``)."""
+    kernel = _flash_cpu.load() if kernel_takes(q, k, v) else None
     if kernel is None:
         return None
     low = q.dtype == torch.bfloat16 and kernel.bfloat16_products()
