@@ -81,8 +81,12 @@ def choose(call: Call) -> str:
 
 def _needs_gradients(call: Call) -> bool:
     """Whether autograd will record this call (a backward pass may follow)."""
-    tensors = (call.q, call.k, call.v, call.mask)
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    return torch.is_grad_enabled() and (
+        call.q.requires_grad
+        or call.k.requires_grad
+        or call.v.requires_grad
+        or (call.mask is not None and call.mask.requires_grad)
+    )
 
 
 def _flash_kernel_takes(call: Call) -> bool:

@@ -171,10 +171,10 @@ def kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     ``_COMPILED_MIN_QUERIES`` queries and nothing is empty, and the kernel is built (the first
     call that asks builds it)."""
     return (
-        COMPILED_KERNEL
-        and q.device.type == "cpu"
+        q.shape[-2] >= _COMPILED_MIN_QUERIES  # the cheapest test first: auto asks on every call
+        and COMPILED_KERNEL
         and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
-        and q.shape[-2] >= _COMPILED_MIN_QUERIES
+        and q.device.type == "cpu"
         and 0 not in (q.numel(), k.numel(), v.numel())
         and _flash_cpu.load() is not None
     )
