@@ -16,14 +16,13 @@
 // crosses, each row only exponentiates the keys it may see, the rest of its p is 0, and the
 // products stop at the last key any row of the block may see.
 //
-// m need not be the exact maximum, only a reference the weights are measured from: any m gives
-// the same out and lse as long as 2^(s · c − m) neither overflows nor loses the largest weights
-// to underflow. So a row's first key block sets m to its exact maximum, and later blocks
-// exponentiate against the m they find, keeping the block's largest exponent on the side (in
-// the same pass, instead of a separate pass for the maximum). Only when that exponent exceeds
-// kHeadroom (weights above 2^8) does m move up to the new maximum, and that row of the block is
-// exponentiated again: the recurrence above with m updated only when it matters.
-//
+// The maximum costs no pass of its own after a row's first key block: each block is
+// exponentiated against the m it finds, keeping the block's largest exponent on the side in the
+// same pass. Only when that exponent is above 0 (the block holds a new maximum) does m move up
+// to it, and that row of the block is exponentiated again. So m is always the exact running
+// maximum and the largest weight is exactly 1, which bfloat16 holds without rounding (a lazier
+// m that let weights grow past 1 made peaked rows' bfloat16 outputs measurably less accurate).
+
 // Matrix products go through at::native::cpublas::brgemm, torch's small-matrix kernel (oneDNN):
 // float32 products use the vector units; bfloat16 products use the CPU's bfloat16 matrix units
 // (AMX) with float32 sums, which need each key block in pairs-of-rows ("VNNI") order, built once
@@ -56,12 +55,11 @@ constexpr int64_t kKeyBlock = 512;    // keys per block: (Bq, Bk) float32 scores
 // Row strides of the score and weight buffers: a little over a power of two bytes, so that
 // the rows a matrix tile touches do not all fall into the same few cache sets.
 constexpr int64_t kScoreStride = kKeyBlock + 16, kWeightStride = kKeyBlock + 32;
-constexpr float kHeadroom = 8.f;  // weights may reach 2^8 before m moves up
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kLog2E = 1.4426950408889634f;
 
-// 2^x for x <= kHeadroom (what the recurrence needs): 2^x = 2^n · 2^f with n = round(x) and
+// 2^x for x <= 0 (what the recurrence needs): 2^x = 2^n · 2^f with n = round(x) and
 // f in [−½, ½], where a polynomial approximates 2^f. Below −126 the result is 0 (also for −inf);
 // NaN stays NaN. Coefficients, highest power first, fitted for least maximum relative error:
 // degree 5 is within 2.4e-7 (float32 weights); degree 3 within 7.5e-5, far inside bfloat16's
@@ -128,7 +126,7 @@ inline float row_max(const float* s, int64_t n, float c) {
 
 struct Exponentials {
   float sum;  // Σ_j p_j
-  float top;  // max_j (s_j · c − m), NaN skipped: above kHeadroom, m must move up
+  float top;  // max_j (s_j · c − m), NaN skipped: above 0, m must move up
 };
 
 #if defined(__AVX512F__)
@@ -325,7 +323,7 @@ std::vector<at::Tensor> forward_impl(
             continue;
           }
           Exponentials row = exp_row<P>(s_r, p_r, seen, c, m[r]);
-          if (row.top > kHeadroom) {  // a score far above m: m moves up to it, the row is redone
+          if (row.top > 0.f) {  // a new maximum: m moves up to it, and the row is redone
             const float alpha = exp2_scalar(-row.top);  // 2^(m_old − m_new)
             m[r] += row.top;
             row = exp_row<P>(s_r, p_r, seen, c, m[r]);
