@@ -100,7 +100,9 @@ inline float row_extreme(const float* s, int64_t n) {
   int64_t j = 0;
 #if defined(__AVX512F__)
   // Four running extremes, so that each comparison need not wait for the one before.
-  const auto step = [](__m512 x, __m512 e) { return Up ? _mm512_max_ps(x, e) : _mm512_min_ps(x, e); };
+  const auto step = [](__m512 x, __m512 e) {
+    return Up ? _mm512_max_ps(x, e) : _mm512_min_ps(x, e);  // e where x is NaN
+  };
   __m512 e0 = _mm512_set1_ps(best), e1 = e0, e2 = e0, e3 = e0;
   for (; j + 64 <= n; j += 64) {
     e0 = step(_mm512_loadu_ps(s + j), e0);
