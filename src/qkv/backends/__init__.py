@@ -64,7 +64,7 @@ def choose(call: Call) -> str:
     masked = call.mask is not None or call.causal_offset not in (None, 0)
     few_queries_under_a_mask = masked and (lq <= 64 or 8 * lq <= lk)
     inference_on_the_kernel = (
-        call.mask is None and not _needs_gradients(call) and _flash_kernel_takes(call)
+        call.mask is None and not call.needs_gradients and _flash_kernel_takes(call)
     )
     if few_queries_under_a_mask or inference_on_the_kernel:
         order = ("flash", "sdpa", "reference")
@@ -77,16 +77,6 @@ def choose(call: Call) -> str:
             return name
         reasons.append(f"{name}: {reason}")
     raise Unsupported("no backend can run this call (" + "; ".join(reasons) + ")")
-
-
-def _needs_gradients(call: Call) -> bool:
-    """Whether autograd will record this call (a backward pass may follow)."""
-    return torch.is_grad_enabled() and (
-        call.q.requires_grad
-        or call.k.requires_grad
-        or call.v.requires_grad
-        or (call.mask is not None and call.mask.requires_grad)
-    )
 
 
 def _flash_kernel_takes(call: Call) -> bool:

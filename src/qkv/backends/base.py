@@ -48,6 +48,16 @@ class Call:
         return (*self.scores_shape[:-1], self.v.shape[-1])
 
     @property
+    def needs_gradients(self) -> bool:
+        """Whether autograd records this call (a backward pass may follow)."""
+        return torch.is_grad_enabled() and (
+            self.q.requires_grad
+            or self.k.requires_grad
+            or self.v.requires_grad
+            or (self.mask is not None and self.mask.requires_grad)
+        )
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         """float32 for float16/bfloat16 (scores, softmax and sums), otherwise the input dtype."""
         return torch.float32 if self.q.dtype in (torch.float16, torch.bfloat16) else self.q.dtype

@@ -281,8 +281,7 @@ def why_not(call: Call) -> str | None:
 
 
 def attention(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
-    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (call.q, call.k, call.v))
-    if needs_grad:
+    if call.needs_gradients:  # (a float mask that needs them is refused by why_not)
         out = _FlashAttention.apply(
             call.q, call.k, call.v, call.mask, call.causal_offset, call.scale
         )
