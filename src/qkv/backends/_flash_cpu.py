@@ -5,8 +5,9 @@ tooling (a C++ compiler and ninja) and cached by torch under ``~/.cache/torch_ex
 environment variable ``TORCH_EXTENSIONS_DIR`` moves it), so only the first use in a fresh
 environment pays the ~30 s build. The cached build is named after the CPU's feature flags, so a
 cache shared by different machines never hands one a build for another's instruction set. Where
-it cannot be built, flash warns once and runs its PyTorch loop, which computes the same thing
-more slowly. ``QKV_FLASH_KERNEL=0`` skips the kernel without trying.
+it cannot be built, qkv warns once; flash then runs its PyTorch loop, which computes the same
+thing more slowly, and ``"auto"`` picks torch's kernel instead. ``QKV_FLASH_KERNEL=0`` skips
+the kernel without trying.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def _build() -> ModuleType | None:
     except Exception as error:  # no compiler, no ninja, a failed build: the loop still works
         warnings.warn(
             f"qkv: flash's compiled CPU kernel is unavailable ({type(error).__name__}: {error}); "
-            "flash runs its PyTorch loop instead (same results, slower). "
+            'backend="flash" runs its PyTorch loop instead (same results, slower), and '
+            'backend="auto" uses torch\'s kernel where it would have used this one. '
             "Set QKV_FLASH_KERNEL=0 to skip the kernel without this warning.",
             RuntimeWarning,
             stacklevel=4,
