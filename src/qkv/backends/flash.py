@@ -187,9 +187,10 @@ def _compiled_forward(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``forward`` (without a mask) on the compiled CPU kernel, or None where it does not apply
     (``kernel_takes``)."""
-    kernel = _flash_cpu.load() if kernel_takes(q, k, v) else None
-    if kernel is None:
+    if not kernel_takes(q, k, v):
         return None
+    kernel = _flash_cpu.load()  # built and cached by kernel_takes
+    assert kernel is not None
     low = q.dtype == torch.bfloat16 and kernel.bfloat16_products()
     dtype = torch.bfloat16 if low else torch.float32
     q_flat, k_flat, v_flat, batch = _flat_heads(q, k, v, dtype)
