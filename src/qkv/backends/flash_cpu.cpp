@@ -55,6 +55,9 @@ constexpr int64_t kKeyBlock = 512;    // keys per block: (Bq, Bk) float32 scores
 // Row strides of the score and weight buffers: a little over a power of two bytes, so that
 // the rows a matrix tile touches do not all fall into the same few cache sets.
 constexpr int64_t kScoreStride = kKeyBlock + 16, kWeightStride = kKeyBlock + 32;
+// A new maximum at most this far (base 2) above m rescales the weights computed against m;
+// further above, they may have overflowed, and are computed again.
+constexpr float kRescaleLimit = 64.f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kLog2E = 1.4426950408889634f;
@@ -141,8 +144,10 @@ inline __m512 weight_exp2(__m512 x) {
 #endif
 
 // p_j = 2^(s_j · c − m) written to p (float32 or bfloat16), with their sum and largest exponent.
-template <typename P>
-inline Exponentials exp_row(const float* s, P* p, int64_t n, float c, float m) {
+// Keep: bfloat16 weights are also written to kept in float32, for rescale_row.
+template <typename P, bool Keep = false>
+inline Exponentials exp_row(const float* s, P* p, int64_t n, float c, float m,
+                            float* kept = nullptr) {
   constexpr bool f32 = std::is_same_v<P, float>;
   int64_t j = 0;
   Exponentials row{0.f, kNegInf};
@@ -167,6 +172,10 @@ inline Exponentials exp_row(const float* s, P* p, int64_t n, float c, float m) {
       const __m512 e0 = weight_exp2<P>(x0), e1 = weight_exp2<P>(x1);
       sums = _mm512_add_ps(sums, _mm512_add_ps(e0, e1));
       _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+      if constexpr (Keep) {
+        _mm512_storeu_ps(kept + j, e0);
+        _mm512_storeu_ps(kept + j + 16, e1);
+      }
     }
   }
   constexpr bool vector_weights = true;
@@ -185,6 +194,7 @@ inline Exponentials exp_row(const float* s, P* p, int64_t n, float c, float m) {
       } else {
 #if defined(__AVX512BF16__)
         _mm256_mask_storeu_epi16(p + j, lanes, (__m256i)_mm512_cvtneps_pbh(e));
+        if constexpr (Keep) _mm512_mask_storeu_ps(kept + j, lanes, e);
 #endif
       }
     }
@@ -197,8 +207,30 @@ inline Exponentials exp_row(const float* s, P* p, int64_t n, float c, float m) {
     const float e = exp2_scalar(x);
     row.sum += e;
     p[j] = P(e);
+    if constexpr (Keep && !f32) kept[j] = e;
   }
   return row;
+}
+
+// The weights exp_row<P, true> wrote, times alpha: float32 weights in place, bfloat16 ones from
+// the float32 copy it kept (so they are rounded once).
+template <typename P>
+inline void rescale_row(const float* kept, P* p, int64_t n, float alpha) {
+  int64_t j = 0;
+  if constexpr (std::is_same_v<P, float>) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) p[i] *= alpha;
+    return;
+  }
+#if defined(__AVX512BF16__)
+  const __m512 a = _mm512_set1_ps(alpha);
+  for (; j + 32 <= n; j += 32) {
+    const __m512 e0 = _mm512_mul_ps(_mm512_loadu_ps(kept + j), a);
+    const __m512 e1 = _mm512_mul_ps(_mm512_loadu_ps(kept + j + 16), a);
+    _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+  }
+#endif
+  for (; j < n; ++j) p[j] = P(kept[j] * alpha);
 }
 
 // Keys and values in the order the products read them.
@@ -231,12 +263,50 @@ Operands arrange(const at::Tensor& k, const at::Tensor& v, int64_t key_blocks) {
         const T* vh = vd + (h * S + n0) * Dv;
         T* kb = kp + z * De * kKeyBlock;
         T* vb = vp + z * kKeyBlock * Dv;
-        for (int64_t d = 0; d < De; ++d)  // kᵀ: row d, column j
-          for (int64_t j = 0; j < kKeyBlock; ++j)
-            kb[((d / 2) * kKeyBlock + j) * 2 + d % 2] = (j < kn && d < D) ? kh[j * D + d] : T(0.f);
-        for (int64_t j = 0; j < kKeyBlock; ++j)  // v: row j, column e
-          for (int64_t e = 0; e < Dv; ++e)
-            vb[((j / 2) * Dv + e) * 2 + j % 2] = j < kn ? vh[j * Dv + e] : T(0.f);
+        if (D % 2 == 0) {
+          // A pair (k[j][2i], k[j][2i+1]) is one 32-bit word, which goes to row i, column j:
+          // a transpose of 32-bit words.
+          const auto* from = reinterpret_cast<const uint32_t*>(kh);
+          auto* to = reinterpret_cast<uint32_t*>(kb);
+          const int64_t pairs = D / 2;
+          int64_t j = 0;
+#if defined(__AVX512F__)
+          // 16 keys at a time: row i of the block gets one whole cache line (a gather of the
+          // 16 keys' i-th words).
+          const __m512i offsets = _mm512_mullo_epi32(
+              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+              _mm512_set1_epi32(static_cast<int>(pairs)));
+          for (; j + 16 <= kn; j += 16)
+            for (int64_t i = 0; i < pairs; ++i)
+              _mm512_storeu_si512(
+                  to + i * kKeyBlock + j, _mm512_i32gather_epi32(offsets, from + j * pairs + i, 4));
+#endif
+          for (; j < kn; ++j)
+            for (int64_t i = 0; i < pairs; ++i) to[i * kKeyBlock + j] = from[j * pairs + i];
+          for (int64_t i = 0; i < pairs; ++i)
+            std::fill(to + i * kKeyBlock + kn, to + (i + 1) * kKeyBlock, 0u);
+        } else {
+          for (int64_t d = 0; d < De; ++d)  // kᵀ: row d, column j
+            for (int64_t j = 0; j < kKeyBlock; ++j)
+              kb[((d / 2) * kKeyBlock + j) * 2 + d % 2] =
+                  (j < kn && d < D) ? kh[j * D + d] : T(0.f);
+        }
+        // v: rows j and j + 1 interleaved, element by element, into row j / 2.
+        const auto* bits = reinterpret_cast<const uint16_t*>(vh);
+        auto* pairs = reinterpret_cast<uint32_t*>(vb);
+        for (int64_t j = 0; j < kKeyBlock; j += 2) {
+          const uint16_t* even = bits + j * Dv;
+          const uint16_t* odd = even + Dv;
+          uint32_t* row = pairs + (j / 2) * Dv;
+          if (j + 1 < kn) {
+#pragma omp simd
+            for (int64_t e = 0; e < Dv; ++e) row[e] = uint32_t(odd[e]) << 16 | even[e];
+          } else if (j < kn) {
+            for (int64_t e = 0; e < Dv; ++e) row[e] = even[e];
+          } else {
+            std::fill(row, row + Dv, 0u);
+          }
+        }
       }
     });
     return {keys, values};
@@ -280,6 +350,7 @@ std::vector<at::Tensor> forward_impl(
     std::vector<float> scores(kQueryBlock * kScoreStride), acc(kQueryBlock * Dv);
     std::vector<float> m(kQueryBlock), l(kQueryBlock);
     std::vector<P> weights(kQueryBlock * kWeightStride);
+    std::vector<float> kept(low ? kKeyBlock : 0);  // one row's bfloat16 weights in float32
     for (int64_t z; (z = next_block.fetch_add(1)) < blocks;) {
       const int64_t head = z / query_blocks, i = z % query_blocks;
       const int64_t q0 = (causal ? query_blocks - 1 - i : i) * kQueryBlock;
@@ -324,11 +395,16 @@ std::vector<at::Tensor> forward_impl(
             l[r] = exp_row<P>(s_r, p_r, seen, c, m_new).sum;
             continue;
           }
-          Exponentials row = exp_row<P>(s_r, p_r, seen, c, m[r]);
-          if (row.top > 0.f) {  // a new maximum: m moves up to it, and the row is redone
+          Exponentials row = exp_row<P, true>(s_r, p_r, seen, c, m[r], kept.data());
+          if (row.top > 0.f) {  // a new maximum: m moves up to it
             const float alpha = exp2_scalar(-row.top);  // 2^(m_old − m_new)
             m[r] += row.top;
-            row = exp_row<P>(s_r, p_r, seen, c, m[r]);
+            if (row.top <= kRescaleLimit) {  // the row's weights times alpha
+              rescale_row<P>(kept.data(), p_r, seen, alpha);
+              row.sum *= alpha;
+            } else {  // weights up to 2^top may have overflowed: the row is redone
+              row = exp_row<P>(s_r, p_r, seen, c, m[r]);
+            }
             l[r] *= alpha;
             float* acc_r = acc.data() + r * Dv;
 #pragma omp simd
