@@ -55,9 +55,6 @@ constexpr int64_t kKeyBlock = 512;    // keys per block: (Bq, Bk) float32 scores
 // Row strides of the score and weight buffers: a little over a power of two bytes, so that
 // the rows a matrix tile touches do not all fall into the same few cache sets.
 constexpr int64_t kScoreStride = kKeyBlock + 16, kWeightStride = kKeyBlock + 32;
-// A new maximum at most this far (base 2) above m rescales the weights computed against m;
-// further above, they may have overflowed, and are computed again.
-constexpr float kRescaleLimit = 64.f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kLog2E = 1.4426950408889634f;
@@ -82,13 +79,13 @@ inline float exp2_scalar(float x) {
 }
 
 #if defined(__AVX512F__)
-// The same 2^x on 16 lanes. n = round(x) and f = x − n come from one instruction each (for −inf
-// they give −inf and 0, so the result is 0; NaN stays NaN), and 2^n · p(f) from scalef. Results
+// The same 2^x on 16 lanes. f = x − round(x) comes from one instruction and n = x − f (for −inf
+// they are 0 and −inf, so the result is 0; NaN stays NaN), and 2^n · p(f) from scalef. Results
 // below 2^-126 are flushed to 0 by the flush-to-zero mode the kernel runs in (see forward_impl).
 template <int Terms>
 inline __m512 exp2_avx512(__m512 x, const float (&coefficients)[Terms]) {
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 n = _mm512_sub_ps(x, f);
   __m512 p = _mm512_set1_ps(coefficients[0]);
   for (int i = 1; i < Terms; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(coefficients[i]));
   return _mm512_scalef_ps(p, n);
@@ -144,10 +141,8 @@ inline __m512 weight_exp2(__m512 x) {
 #endif
 
 // p_j = 2^(s_j · c − m) written to p (float32 or bfloat16), with their sum and largest exponent.
-// Keep: bfloat16 weights are also written to kept in float32, for rescale_row.
-template <typename P, bool Keep = false>
-inline Exponentials exp_row(const float* s, P* p, int64_t n, float c, float m,
-                            float* kept = nullptr) {
+template <typename P>
+inline Exponentials exp_row(const float* s, P* p, int64_t n, float c, float m) {
   constexpr bool f32 = std::is_same_v<P, float>;
   int64_t j = 0;
   Exponentials row{0.f, kNegInf};
@@ -172,10 +167,6 @@ inline Exponentials exp_row(const float* s, P* p, int64_t n, float c, float m,
       const __m512 e0 = weight_exp2<P>(x0), e1 = weight_exp2<P>(x1);
       sums = _mm512_add_ps(sums, _mm512_add_ps(e0, e1));
       _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-      if constexpr (Keep) {
-        _mm512_storeu_ps(kept + j, e0);
-        _mm512_storeu_ps(kept + j + 16, e1);
-      }
     }
   }
   constexpr bool vector_weights = true;
@@ -194,7 +185,6 @@ inline Exponentials exp_row(const float* s, P* p, int64_t n, float c, float m,
       } else {
 #if defined(__AVX512BF16__)
         _mm256_mask_storeu_epi16(p + j, lanes, (__m256i)_mm512_cvtneps_pbh(e));
-        if constexpr (Keep) _mm512_mask_storeu_ps(kept + j, lanes, e);
 #endif
       }
     }
@@ -207,30 +197,8 @@ inline Exponentials exp_row(const float* s, P* p, int64_t n, float c, float m,
     const float e = exp2_scalar(x);
     row.sum += e;
     p[j] = P(e);
-    if constexpr (Keep && !f32) kept[j] = e;
   }
   return row;
-}
-
-// The weights exp_row<P, true> wrote, times alpha: float32 weights in place, bfloat16 ones from
-// the float32 copy it kept (so they are rounded once).
-template <typename P>
-inline void rescale_row(const float* kept, P* p, int64_t n, float alpha) {
-  int64_t j = 0;
-  if constexpr (std::is_same_v<P, float>) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) p[i] *= alpha;
-    return;
-  }
-#if defined(__AVX512BF16__)
-  const __m512 a = _mm512_set1_ps(alpha);
-  for (; j + 32 <= n; j += 32) {
-    const __m512 e0 = _mm512_mul_ps(_mm512_loadu_ps(kept + j), a);
-    const __m512 e1 = _mm512_mul_ps(_mm512_loadu_ps(kept + j + 16), a);
-    _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-  }
-#endif
-  for (; j < n; ++j) p[j] = P(kept[j] * alpha);
 }
 
 // Keys and values in the order the products read them.
@@ -350,7 +318,6 @@ std::vector<at::Tensor> forward_impl(
     std::vector<float> scores(kQueryBlock * kScoreStride), acc(kQueryBlock * Dv);
     std::vector<float> m(kQueryBlock), l(kQueryBlock);
     std::vector<P> weights(kQueryBlock * kWeightStride);
-    std::vector<float> kept(low ? kKeyBlock : 0);  // one row's bfloat16 weights in float32
     for (int64_t z; (z = next_block.fetch_add(1)) < blocks;) {
       const int64_t head = z / query_blocks, i = z % query_blocks;
       const int64_t q0 = (causal ? query_blocks - 1 - i : i) * kQueryBlock;
@@ -395,16 +362,11 @@ std::vector<at::Tensor> forward_impl(
             l[r] = exp_row<P>(s_r, p_r, seen, c, m_new).sum;
             continue;
           }
-          Exponentials row = exp_row<P, true>(s_r, p_r, seen, c, m[r], kept.data());
-          if (row.top > 0.f) {  // a new maximum: m moves up to it
+          Exponentials row = exp_row<P>(s_r, p_r, seen, c, m[r]);
+          if (row.top > 0.f) {  // a new maximum: m moves up to it, and the row is redone
             const float alpha = exp2_scalar(-row.top);  // 2^(m_old − m_new)
             m[r] += row.top;
-            if (row.top <= kRescaleLimit) {  // the row's weights times alpha
-              rescale_row<P>(kept.data(), p_r, seen, alpha);
-              row.sum *= alpha;
-            } else {  // weights up to 2^top may have overflowed: the row is redone
-              row = exp_row<P>(s_r, p_r, seen, c, m[r]);
-            }
+            row = exp_row<P>(s_r, p_r, seen, c, m[r]);
             l[r] *= alpha;
             float* acc_r = acc.data() + r * Dv;
 #pragma omp simd
