@@ -380,7 +380,7 @@ def _call(lq: int, lk: int, dtype: torch.dtype = torch.float32, **kwargs: object
     [
         (_call(1, 300, causal_offset=299), "flash"),  # decoding against a cache
         (_call(64, 300, mask=torch.ones(64, 300, dtype=torch.bool)), "flash"),
-        (_call(1, 300), "sdpa"),  # one query, no mask: torch's kernel
+        (_call(1, 300, torch.float64), "sdpa"),  # one query in float64: not the kernel's dtype
         (_call(300, 300, mask=torch.ones(300, 300, dtype=torch.bool)), "sdpa"),  # many queries
         (_call(300, 300, torch.float64, causal_offset=0), "sdpa"),  # not the kernel's dtype
         (_call(100, 800, causal_offset=700), "flash"),  # few queries for the keys
@@ -395,7 +395,8 @@ def test_auto_rule(call: Call, expected: str) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
-    "lq, lk, causal_offset", [(300, 300, 0), (300, 300, None), (100, 300, 200)]
+    "lq, lk, causal_offset",
+    [(300, 300, 0), (300, 300, None), (100, 300, 200), (1, 300, None), (4, 300, None)],
 )
 def test_auto_picks_the_compiled_kernel_for_calls_without_a_mask_or_gradients(
     kernel: object,
@@ -494,12 +495,14 @@ def kernel_tolerances(kernel: object, dtype: torch.dtype) -> tuple[float, float]
     batch=st.sampled_from([(), (1,), (2,), (2, 1)]),
     hkv=st.integers(1, 3),
     groups=st.integers(1, 3),
-    lq=st.integers(16, 300),
+    lq=st.sampled_from([1, 2, 5, 15, 16, 17, 100, 300]),  # below 16: the decoding path
     lk=st.integers(1, 700),
     dk=st.integers(1, 80),
     dv=st.integers(1, 80),
     offset=st.sampled_from([None, "bottom-right", "top-left", "random"]),
-    scale=st.sampled_from([0.125, 0.9, -0.3]),
+    # Up to |scale| · sqrt(Dk) = 4.5 standard deviations of scores: float32 scores then hold
+    # 1e-5 (at 0.9 and Dk = 71, torch's own float32 kernel errs by up to 8e-6 as well).
+    scale=st.sampled_from([0.125, 0.5, -0.3]),
     broadcast_kv=st.booleans(),
 )
 def test_kernel_matches_the_loop_in_float64(
@@ -660,7 +663,6 @@ def test_kernel_forward_feeds_the_loop_backward(kernel: object) -> None:
     [
         ("a mask", lambda q: flash.forward(q, q, q, scale=1.0, mask=torch.ones(32, 32) > 0)),
         ("float64", lambda q: flash.forward(q.double(), q.double(), q.double(), scale=1.0)),
-        ("decoding", lambda q: flash.forward(q[..., :1, :], q, q, scale=1.0)),
         ("empty", lambda q: flash.forward(q[..., :0], q[..., :0], q, scale=1.0)),
     ],
 )
@@ -674,6 +676,60 @@ def test_calls_the_kernel_does_not_take_run_on_the_loop(
     went_to_loop.clear()
     flash.forward(*(randn(1, 2, 32, 8, dtype=torch.float32) for _ in range(3)), scale=1.0)
     assert not went_to_loop, "a plain float32 call should run on the kernel"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("lq, causal_offset", [(1, None), (3, 7 + 100 - 3), (5, 3)])
+def test_kernel_decodes_from_a_cache_buffer_as_it_lies(
+    kernel: object, dtype: torch.dtype, lq: int, causal_offset: int | None
+) -> None:
+    # A KV cache hands out views of a larger buffer: rows of a head are contiguous, but heads
+    # (and batch entries) are a capacity apart. The decoding path reads them in place.
+    buffer_k, buffer_v = randn(2, 2, 200, 24, dtype=dtype), randn(2, 2, 200, 40, dtype=dtype)
+    k, v = buffer_k[..., 7 : 7 + 100, :], buffer_v[..., 7 : 7 + 100, :]
+    q = randn(2, 6, lq, 24, dtype=dtype)  # grouped heads: 3 per key/value head
+    out, lse = compiled(q, k, v, scale=0.2, causal_offset=causal_offset)
+    expected_out, expected_lse = by_the_loop(q, k, v, scale=0.2, causal_offset=causal_offset)
+    # Decoding multiplies in float32 in every dtype, bfloat16 values widened as they are read.
+    torch.testing.assert_close(out.double(), expected_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_decoding_edge_cases(kernel: object) -> None:
+    f32 = torch.float32
+    q, k, v = (
+        randn(1, 2, 4, 8, dtype=f32),
+        randn(1, 2, 30, 8, dtype=f32),
+        randn(1, 2, 30, 8, dtype=f32),
+    )
+    # Rows that may see no key: out 0, lse -inf (query i sees keys j <= i - 2).
+    out, lse = compiled(q, k, v, scale=0.3, causal_offset=-2)
+    assert bool((out[..., :2, :] == 0).all()) and bool(torch.isneginf(lse[..., :2]).all())
+    assert bool(torch.isfinite(out[..., 2:, :]).all())
+    # NaN in a query row or a key reaches exactly the rows that see it.
+    q[0, 0, 1, 0] = math.nan
+    k[0, 1, 20, 0] = math.nan
+    out, _ = compiled(q, k, v, scale=0.3, causal_offset=18)  # row i sees keys j <= i + 18
+    rows_nan = out.isnan().any(dim=-1)[0]
+    expected = torch.tensor([[False, True, False, False], [False, False, True, True]])
+    assert torch.equal(rows_nan, expected)
+    # The same bits on one and on two threads; the caller's floating-point mode restored.
+    q, k, v = (
+        randn(2, 8, 3, 32, dtype=f32),
+        randn(2, 8, 3000, 32, dtype=f32),
+        randn(2, 8, 3000, 32, dtype=f32),
+    )
+    tiny = torch.tensor(1e-38, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = compiled(q, k, v, scale=0.2, causal_offset=None)
+        torch.set_num_threads(2)
+        two = compiled(q, k, v, scale=0.2, causal_offset=None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    assert float(tiny * 1e-3) != 0.0
 
 
 class _Recording:

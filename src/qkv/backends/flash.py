@@ -100,8 +100,9 @@ _NEG_INF = float("-inf")
 
 # Run calls the compiled CPU kernel supports on it (False: always the PyTorch loop below).
 COMPILED_KERNEL = True
-# Fewer query rows than this stay on the loop: it is tuned for decoding (one query at a time).
-_COMPILED_MIN_QUERIES = 16
+# Calls with fewer queries than this (decoding) run on the kernel's one-row-at-a-time path,
+# which reads K/V where they lie (a KV cache's buffer) instead of rearranging them into blocks.
+_KERNEL_BLOCK_QUERIES = 16
 
 
 def forward(
@@ -169,12 +170,10 @@ def forward(
 
 def kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether ``forward`` runs these inputs (given no mask) on the compiled CPU kernel: it is
-    switched on, the tensors are on the CPU in float32, float16 or bfloat16, there are at least
-    ``_COMPILED_MIN_QUERIES`` queries and nothing is empty, and the kernel is built (the first
-    call that asks builds it)."""
+    switched on, the tensors are on the CPU in float32, float16 or bfloat16 and nothing is
+    empty, and the kernel is built (the first call that asks builds it)."""
     return (
-        q.shape[-2] >= _COMPILED_MIN_QUERIES  # the cheapest test first: auto asks on every call
-        and COMPILED_KERNEL
+        COMPILED_KERNEL  # the cheapest tests first: auto asks on every call
         and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
         and q.device.type == "cpu"
         and 0 not in (q.numel(), k.numel(), v.numel())
@@ -191,15 +190,26 @@ def _compiled_forward(
         return None
     kernel = _flash_cpu.load()  # built and cached by kernel_takes
     assert kernel is not None
+    causal = causal_offset is not None
+    if q.shape[-2] < _KERNEL_BLOCK_QUERIES:  # one row at a time, K/V read where they lie
+        if q.dtype != torch.float16 and q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
+            out, lse = kernel.decode(q, k, v, scale, causal, causal_offset or 0)
+            return out, lse  # the common case: (*B, Hq, Lq, Dv), (*B, Hq, Lq) as they come
+        dtype = torch.float32 if q.dtype == torch.float16 else q.dtype
+        q_flat, k_flat, v_flat, batch = _flat_heads(q, k, v, dtype)  # batch dims broadcast
+        out, lse = kernel.decode(
+            q_flat.flatten(0, 1), k_flat, v_flat, scale, causal, causal_offset or 0
+        )
+        hq = q.shape[-3]
+        return out.view(*batch, hq, *out.shape[1:]), lse.view(*batch, hq, lse.shape[-1])
     low = q.dtype == torch.bfloat16 and kernel.bfloat16_products()
-    dtype = torch.bfloat16 if low else torch.float32
-    q_flat, k_flat, v_flat, batch = _flat_heads(q, k, v, dtype)
+    q_flat, k_flat, v_flat, batch = _flat_heads(q, k, v, torch.bfloat16 if low else torch.float32)
     out, lse = kernel.forward(
         q_flat.flatten(0, 1).contiguous(),  # (N·g, Lq, Dk)
         k_flat.contiguous(),
         v_flat.contiguous(),
         scale,
-        causal_offset is not None,
+        causal,
         causal_offset or 0,
     )
     hq = q.shape[-3]

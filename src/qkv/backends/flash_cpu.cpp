@@ -398,6 +398,174 @@ std::vector<at::Tensor> forward_impl(
   return {out, lse};
 }
 
+// 16 float32 values from x (float32 or bfloat16, widened), the lanes not in `lanes` 0.
+#if defined(__AVX512F__)
+template <typename T>
+inline __m512 load16(const T* x, __mmask16 lanes) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_maskz_loadu_ps(lanes, x);
+  } else {  // bfloat16: the upper half of a float32
+    const __m256i bits = _mm256_maskz_loadu_epi16(lanes, x);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+}
+
+// Lane i of the result: the sum of v[i]'s 16 lanes. Pairs of vectors are added lane-wise after
+// shuffles that line up their partial sums, halving the count at each step (45 instructions for
+// what 16 separate reductions would do in about 130).
+inline __m512 lane_sums(const __m512 (&v)[16]) {
+  __m512 t[8], w[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: v2i[0]+v2i[2], v2i+1[0]+v2i+1[2], ...
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: that lane's sums of v4i ... v4i+3
+    w[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const auto halves = [](__m512 a, __m512 b) {  // a's lanes 0+1, 2+3, then b's
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  return halves(halves(w[0], w[1]), halves(w[2], w[3]));
+}
+#endif
+
+// s_j = q · k_j for j < n, with k_j at k + j · stride (D contiguous values each).
+template <typename T>
+void dot_rows(const float* q, const T* k, int64_t stride, int64_t n, int64_t D, float* s) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  for (; j + 16 <= n; j += 16) {
+    __m512 sums[16];
+    for (int i = 0; i < 16; ++i) {
+      const T* key = k + (j + i) * stride;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        const __mmask16 lanes = D - d >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (D - d)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, q + d), load16(key + d, lanes), acc);
+      }
+      sums[i] = acc;
+    }
+    _mm512_storeu_ps(s + j, lane_sums(sums));
+  }
+#endif
+  for (; j < n; ++j) {
+    const T* key = k + j * stride;
+    float dot = 0.f;
+    for (int64_t d = 0; d < D; ++d) dot += q[d] * static_cast<float>(key[d]);
+    s[j] = dot;
+  }
+}
+
+// out = Σ_{j < n} p_j v_j, with v_j at v + j · stride (Dv contiguous values each).
+template <typename T>
+void weighted_sum(const float* p, const T* v, int64_t stride, int64_t n, int64_t Dv, float* out) {
+  int64_t e0 = 0;
+#if defined(__AVX512F__)
+  for (; e0 < Dv; e0 += 64) {  // 64 output features at a time, in four registers
+    __mmask16 lanes[4];
+    __m512 acc[4];
+    for (int c = 0; c < 4; ++c) {
+      const int64_t left = std::clamp<int64_t>(Dv - e0 - 16 * c, 0, 16);
+      lanes[c] = static_cast<__mmask16>((1u << left) - 1);
+      acc[c] = _mm512_setzero_ps();
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 weight = _mm512_set1_ps(p[j]);
+      const T* value = v + j * stride + e0;
+      for (int c = 0; c < 4; ++c)
+        if (lanes[c]) acc[c] = _mm512_fmadd_ps(weight, load16(value + 16 * c, lanes[c]), acc[c]);
+    }
+    for (int c = 0; c < 4; ++c) _mm512_mask_storeu_ps(out + e0 + 16 * c, lanes[c], acc[c]);
+  }
+#endif
+  for (int64_t e = e0; e < Dv; ++e) {
+    float sum = 0.f;
+    for (int64_t j = 0; j < n; ++j) sum += p[j] * static_cast<float>(v[j * stride + e]);
+    out[e] = sum;
+  }
+}
+
+// A few queries (decoding), one query row at a time: its scores against the keys it may see,
+// their maximum, one exponentiation pass, then out = Σ_j p_j v_j / l. k and v are read where
+// they lie (a KV cache's buffer), with any head and row strides; only their last dim must be
+// contiguous. float32 throughout: bfloat16 inputs are widened as they are read.
+template <typename T>
+std::vector<at::Tensor> decode_impl(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
+    int64_t offset) {
+  const int64_t NG = q.size(0), Lq = q.size(1), D = q.size(2);
+  const int64_t N = k.size(0), S = k.size(1), Dv = v.size(2);
+  const int64_t g = NG / N;
+  const float c = static_cast<float>(scale) * kLog2E;
+  auto out = at::empty({NG, Lq, Dv}, q.options().dtype(at::kFloat));
+  auto lse = at::empty({NG, Lq}, q.options().dtype(at::kFloat));
+  const T* qd = q.const_data_ptr<T>();
+  const T* kd = k.const_data_ptr<T>();
+  const T* vd = v.const_data_ptr<T>();
+  float* od = out.data_ptr<float>();
+  float* ld = lse.data_ptr<float>();
+  // Rows are split between threads only when each gets enough work to pay for waking them.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, S * (D + Dv)));
+  at::parallel_for(0, NG * Lq, grain, [&](int64_t begin, int64_t end) {
+    const unsigned int control = _mm_getcsr();
+    _mm_setcsr(control | _MM_FLUSH_ZERO_ON);  // as in forward_impl
+    std::vector<float> query(D), p(S);
+    for (int64_t z = begin; z < end; ++z) {
+      const int64_t head = z / Lq, i = z % Lq;
+      const int64_t seen = causal ? std::clamp<int64_t>(i + offset + 1, 0, S) : S;
+      for (int64_t d = 0; d < D; ++d) query[d] = static_cast<float>(qd[z * D + d]);
+      dot_rows(query.data(), kd + (head / g) * k.stride(0), k.stride(1), seen, D, p.data());
+      const float m = row_max(p.data(), seen, c);
+      float l = 0.f, *o = od + z * Dv;
+      if (m == kNegInf) {  // no key (or only −inf scores): nothing to add, unless one is NaN
+        const bool nan = std::any_of(p.begin(), p.begin() + seen, [](float x) { return std::isnan(x); });
+        l = nan ? std::numeric_limits<float>::quiet_NaN() : 0.f;
+        std::fill(o, o + Dv, l);
+      } else {
+        l = exp_row<float>(p.data(), p.data(), seen, c, m).sum;  // in place: 2^(s_j · c − m)
+        weighted_sum(p.data(), vd + (head / g) * v.stride(0), v.stride(1), seen, Dv, o);
+        const float inv = 1.f / l;
+        for (int64_t e = 0; e < Dv; ++e) o[e] *= inv;
+      }
+      ld[z] = l == 0.f ? kNegInf : (m + std::log2(l)) * kLn2;
+    }
+    _mm_setcsr(control);
+  });
+  return {out, lse};
+}
+
+// q (*B, Hq, Lq, D), k (*B, Hkv, S, D), v (*B, Hkv, S, Dv) with the same leading dims B (any
+// number of them, 0 included): returns out (*B, Hq, Lq, Dv) and lse (*B, Hq, Lq), float32.
+std::vector<at::Tensor> decode(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
+    int64_t offset) {
+  TORCH_CHECK(q.dim() >= 3 && k.dim() == q.dim() && v.dim() == q.dim(), "q, k, v: same dims");
+  TORCH_CHECK(q.sizes().slice(0, q.dim() - 3) == k.sizes().slice(0, k.dim() - 3) &&
+              k.sizes().slice(0, k.dim() - 2) == v.sizes().slice(0, v.dim() - 2),
+              "q, k, v must have the same leading dims");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type());
+  TORCH_CHECK(k.size(-3) > 0 && q.size(-3) % k.size(-3) == 0, "heads must group");
+  TORCH_CHECK(k.size(-2) == v.size(-2) && q.size(-1) == k.size(-1), "shapes must agree");
+  const auto rows = [](const at::Tensor& x) {  // (·, L, D) with contiguous rows, a view if it can
+    const at::Tensor flat = x.reshape({-1, x.size(-2), x.size(-1)});
+    return flat.stride(2) == 1 ? flat : flat.contiguous();
+  };
+  const at::Tensor q3 = q.reshape({-1, q.size(-2), q.size(-1)}).contiguous();
+  std::vector<at::Tensor> result;
+  if (q.scalar_type() == at::kBFloat16) {
+    result = decode_impl<at::BFloat16>(q3, rows(k), rows(v), scale, causal, offset);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "float32 or bfloat16");
+    result = decode_impl<float>(q3, rows(k), rows(v), scale, causal, offset);
+  }
+  std::vector<int64_t> shape(q.sizes().begin(), q.sizes().end());
+  shape.back() = v.size(-1);
+  result[0] = result[0].view(shape);
+  shape.pop_back();
+  result[1] = result[1].view(shape);
+  return result;
+}
+
 std::vector<at::Tensor> forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
     int64_t offset) {
@@ -419,5 +587,6 @@ bool bfloat16_products() { return at::native::cpublas::could_pack(at::kBFloat16)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("forward", &forward, "flash forward: (out, lse)");
+  module.def("decode", &decode, "flash forward for a few queries, k and v strided: (out, lse)");
   module.def("bfloat16_products", &bfloat16_products);
 }
