@@ -58,6 +58,43 @@ class KVCache:
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add this step's keys and values; return everything cached (keys, values)."""
+        if not self._continues(k, v):
+            self._check(k, v)
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            self._keys = k if self._keys is None else torch.cat([self.keys, k], dim=-2)
+            self._values = v if self._values is None else torch.cat([self.values, v], dim=-2)
+            self._length = self._keys.shape[-2]
+            return self.keys, self.values
+        start, added = self._length, k.shape[-2]
+        self._keys = _grown(self._keys, start, k)
+        self._values = _grown(self._values, start, v)
+        self._keys.narrow(-2, start, added).copy_(k)
+        self._values.narrow(-2, start, added).copy_(v)
+        self._length = start + added
+        return self._keys.narrow(-2, 0, self._length), self._values.narrow(-2, 0, self._length)
+
+    def _continues(self, k: Any, v: Any) -> bool:
+        """Whether k and v plainly continue what is cached (the common step): tensors with the
+        cache's (B, Hkv, ·, D), dtype and device, agreeing in length. ``_check`` says what is
+        wrong with anything else, or lets a first call through."""
+        keys, values = self._keys, self._values
+        return (
+            keys is not None
+            and values is not None
+            and isinstance(k, torch.Tensor)
+            and isinstance(v, torch.Tensor)
+            and k.dtype == keys.dtype == v.dtype
+            and k.device == keys.device == v.device
+            and k.dim() == 4
+            and v.dim() == 4
+            and k.shape[:2] == keys.shape[:2] == v.shape[:2]
+            and k.shape[2] == v.shape[2]
+            and k.shape[3] == keys.shape[3]
+            and v.shape[3] == values.shape[3]
+        )
+
+    def _check(self, k: Any, v: Any) -> None:
+        """k and v: (B, Hkv, L, D) floating tensors that agree, and match the cache if any."""
         _checks.tensor("k", k, ndims=(4,))
         _checks.tensor("v", v, ndims=(4,))
         _checks.floating("k", k)
@@ -81,18 +118,6 @@ class KVCache:
                         f"{name} must have the cache's dtype {old.dtype} on {old.device}, got "
                         f"{new.dtype} on {new.device}"
                     )
-        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
-            self._keys = k if self._keys is None else torch.cat([self.keys, k], dim=-2)
-            self._values = v if self._values is None else torch.cat([self.values, v], dim=-2)
-            self._length = self._keys.shape[-2]
-            return self.keys, self.values
-        start, added = self._length, k.shape[-2]
-        self._keys = _grown(self._keys, start, k)
-        self._values = _grown(self._values, start, v)
-        self._keys.narrow(-2, start, added).copy_(k)
-        self._values.narrow(-2, start, added).copy_(v)
-        self._length = start + added
-        return self._keys.narrow(-2, 0, self._length), self._values.narrow(-2, 0, self._length)
 
 
 def _grown(buffer: torch.Tensor | None, length: int, new: torch.Tensor) -> torch.Tensor:

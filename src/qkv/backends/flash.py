@@ -125,10 +125,10 @@ def forward(
     input dtype) and ``lse`` (*B, Hq, Lq), the log-sum-exp of each row's scaled, masked scores
     (−inf for a row with no key; its out is 0). No autograd graph is built.
     """
+    compiled = _compiled_forward(q, k, v, scale, causal_offset) if mask is None else None
+    if compiled is not None:  # (the kernel's outputs are never part of a graph)
+        return compiled
     with torch.no_grad():
-        compiled = _compiled_forward(q, k, v, scale, causal_offset) if mask is None else None
-        if compiled is not None:
-            return compiled
         heads = _Heads.of(q, k, v, scale)
         tiles = _Tiles(heads, mask, causal_offset)
         lowest = torch.finfo(heads.dtype).min
@@ -305,7 +305,7 @@ def attention(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
             causal_offset=call.causal_offset,
             mask=call.mask,
         )
-    return out.to(call.q.dtype), None
+    return (out if out.dtype == call.q.dtype else out.to(call.q.dtype)), None
 
 
 class _FlashAttention(torch.autograd.Function):

@@ -429,28 +429,73 @@ inline __m512 lane_sums(const __m512 (&v)[16]) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// The lanes of the c-th 16-value chunk of a row of n values.
+inline __mmask16 chunk_lanes(int64_t n, int64_t c) {
+  const int64_t left = std::clamp<int64_t>(n - 16 * c, 0, 16);
+  return static_cast<__mmask16>((1u << left) - 1);
+}
+
+// dot_rows for rows of at most 16 · C values, held in C registers.
+template <int C, typename T>
+void dot_rows_in_registers(const float* q, const T* k, int64_t stride, int64_t n, int64_t D,
+                           float* s) {
+  __mmask16 lanes[C];
+  __m512 query[C];
+  for (int c = 0; c < C; ++c) {
+    lanes[c] = chunk_lanes(D, c);
+    query[c] = _mm512_maskz_loadu_ps(lanes[c], q + 16 * c);
+  }
+  const auto dot = [&](const T* key) {  // 16 products, summed across lanes by the caller
+    __m512 acc = _mm512_mul_ps(query[0], load16(key, lanes[0]));
+    for (int c = 1; c < C; ++c)
+      acc = _mm512_fmadd_ps(query[c], load16(key + 16 * c, lanes[c]), acc);
+    return acc;
+  };
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    __m512 sums[16];
+    for (int i = 0; i < 16; ++i) sums[i] = dot(k + (j + i) * stride);
+    _mm512_storeu_ps(s + j, lane_sums(sums));
+  }
+  for (; j < n; ++j) s[j] = _mm512_reduce_add_ps(dot(k + j * stride));
+}
+
+// weighted_sum for rows of at most 16 · C values, summed in C registers.
+template <int C, typename T>
+void weighted_sum_in_registers(const float* p, const T* v, int64_t stride, int64_t n, int64_t Dv,
+                               float* out) {
+  __mmask16 lanes[C];
+  __m512 acc[C];
+  for (int c = 0; c < C; ++c) {
+    lanes[c] = chunk_lanes(Dv, c);
+    acc[c] = _mm512_setzero_ps();
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 weight = _mm512_set1_ps(p[j]);
+    for (int c = 0; c < C; ++c)
+      acc[c] = _mm512_fmadd_ps(weight, load16(v + j * stride + 16 * c, lanes[c]), acc[c]);
+  }
+  for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(out + 16 * c, lanes[c], acc[c]);
+}
+#endif
+
 // s_j = q · k_j for j < n, with k_j at k + j · stride (D contiguous values each).
 template <typename T>
 void dot_rows(const float* q, const T* k, int64_t stride, int64_t n, int64_t D, float* s) {
-  int64_t j = 0;
 #if defined(__AVX512F__)
-  for (; j + 16 <= n; j += 16) {
-    __m512 sums[16];
-    for (int i = 0; i < 16; ++i) {
-      const T* key = k + (j + i) * stride;
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d += 16) {
-        const __mmask16 lanes = D - d >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (D - d)) - 1);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, q + d), load16(key + d, lanes), acc);
-      }
-      sums[i] = acc;
-    }
-    _mm512_storeu_ps(s + j, lane_sums(sums));
+  switch ((D + 15) / 16) {
+    case 1: return dot_rows_in_registers<1>(q, k, stride, n, D, s);
+    case 2: return dot_rows_in_registers<2>(q, k, stride, n, D, s);
+    case 3: return dot_rows_in_registers<3>(q, k, stride, n, D, s);
+    case 4: return dot_rows_in_registers<4>(q, k, stride, n, D, s);
+    default: break;  // longer rows: below
   }
 #endif
-  for (; j < n; ++j) {
+  for (int64_t j = 0; j < n; ++j) {
     const T* key = k + j * stride;
     float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
     for (int64_t d = 0; d < D; ++d) dot += q[d] * static_cast<float>(key[d]);
     s[j] = dot;
   }
@@ -461,21 +506,14 @@ template <typename T>
 void weighted_sum(const float* p, const T* v, int64_t stride, int64_t n, int64_t Dv, float* out) {
   int64_t e0 = 0;
 #if defined(__AVX512F__)
-  for (; e0 < Dv; e0 += 64) {  // 64 output features at a time, in four registers
-    __mmask16 lanes[4];
-    __m512 acc[4];
-    for (int c = 0; c < 4; ++c) {
-      const int64_t left = std::clamp<int64_t>(Dv - e0 - 16 * c, 0, 16);
-      lanes[c] = static_cast<__mmask16>((1u << left) - 1);
-      acc[c] = _mm512_setzero_ps();
+  for (; e0 < Dv; e0 += 64) {  // 64 output features at a time
+    const int64_t width = std::min<int64_t>(64, Dv - e0);
+    switch ((width + 15) / 16) {
+      case 1: weighted_sum_in_registers<1>(p, v + e0, stride, n, width, out + e0); break;
+      case 2: weighted_sum_in_registers<2>(p, v + e0, stride, n, width, out + e0); break;
+      case 3: weighted_sum_in_registers<3>(p, v + e0, stride, n, width, out + e0); break;
+      default: weighted_sum_in_registers<4>(p, v + e0, stride, n, width, out + e0); break;
     }
-    for (int64_t j = 0; j < n; ++j) {
-      const __m512 weight = _mm512_set1_ps(p[j]);
-      const T* value = v + j * stride + e0;
-      for (int c = 0; c < 4; ++c)
-        if (lanes[c]) acc[c] = _mm512_fmadd_ps(weight, load16(value + 16 * c, lanes[c]), acc[c]);
-    }
-    for (int c = 0; c < 4; ++c) _mm512_mask_storeu_ps(out + e0 + 16 * c, lanes[c], acc[c]);
   }
 #endif
   for (int64_t e = e0; e < Dv; ++e) {
