@@ -107,6 +107,35 @@ def attention(
         return_weights=return_weights,
         backend=backend,
     )
+    return _run(call, backend, squeeze_head, return_weights)
+
+
+def attention_of_projections(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    causal: Causal,
+    dropout_p: float,
+    return_weights: bool,
+    backend: str,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``attention`` for an attention layer's own projections, which the layer has checked:
+    q (B, H, L, D) and k, v (B, Hkv, S, D) of one dtype and device with H a multiple of Hkv;
+    ``mask`` broadcastable to (B, H, L, S); ``causal``, ``dropout_p``, ``return_weights`` and
+    ``backend`` valid. Only the canonicalisation runs (a decoding step calls this once per layer
+    and token, where checking the layer's own tensors again would cost a tenth of the step)."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    call = _call(q, k, v, mask, causal, scale, dropout_p, return_weights)
+    return _run(call, backend, False, return_weights)
+
+
+def _run(
+    call: Call, backend: str, squeeze_head: bool, return_weights: bool
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Run a canonical call on ``backend`` (recorded by an active ``qkv.trace()``); return the
+    output, and the weights if the caller asked for them."""
     recorder = current_recorder()  # an active qkv.trace() records the call
     if recorder is not None and recorder.wants_weights and not call.return_weights:
         with_weights = dataclasses.replace(call, return_weights=True)
@@ -169,11 +198,27 @@ def _canonical_call(
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     q, k, v, batch = _broadcast_heads(q, k, v)
 
-    lq, lk = q.shape[-2], k.shape[-2]
     if mask is not None:
-        scores_shape = (*batch, q.shape[-3], lq, lk)
+        scores_shape = (*batch, q.shape[-3], q.shape[-2], k.shape[-2])
         target = scores_shape[1:] if squeeze_head else scores_shape
         _checks.mask("mask", mask, target, "(*batch, Hq, Lq, Lk)")
+    return _call(q, k, v, mask, causal, scale, dropout_p, return_weights), squeeze_head
+
+
+def _call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: Causal,
+    scale: float,
+    dropout_p: float,
+    return_weights: bool,
+) -> Call:
+    """The canonical call of checked arguments: the causal rule as a diagonal offset (dropped
+    where it blocks nothing), a mask of at least 2 dims on q's device."""
+    lq, lk = q.shape[-2], k.shape[-2]
+    if mask is not None:
         _checks.same_device(("q", "mask"), (q, mask))
         if mask.dim() < 2:  # backends slice the (Lq, Lk) dims: a 0-d or (Lk,) mask gets both
             mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
@@ -182,7 +227,7 @@ def _canonical_call(
         # Every query may attend every key (e.g. one new token against a KV cache): the rule
         # blocks nothing, and backends run fastest without one.
         offset = None
-    return Call(q, k, v, mask, offset, scale, dropout_p, return_weights), squeeze_head
+    return Call(q, k, v, mask, offset, scale, dropout_p, return_weights)
 
 
 def _broadcast_heads(

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from qkv import _checks, backends, masks
-from qkv.functional import attention
+from qkv.functional import attention_of_projections
 
 
 class KVCache:
@@ -229,6 +229,7 @@ class SelfAttention(nn.Module):
         )
         if cache is not None and not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a qkv.KVCache, got {type(cache).__name__}")
+        _checks.boolean("return_weights", return_weights)
         if unbatched:
             x = x.unsqueeze(0)
             context = None if context is None else context.unsqueeze(0)
@@ -245,7 +246,7 @@ class SelfAttention(nn.Module):
         if padding_mask is not None:
             padding_mask = self._padding_mask(padding_mask, batch, keys)
         q, k, v = self._project(x, context, cache)  # (B, H, L, D), (B, Hkv, S, D) x 2
-        result = attention(
+        result = attention_of_projections(
             q,
             k,
             v,
