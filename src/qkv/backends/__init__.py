@@ -48,14 +48,14 @@ def choose(call: Call) -> str:
     - Few queries for the keys (Lq <= 64, or Lq <= Lk / 8) under a mask or a causal rule that
       is not top-left, as when prefilling a chunk against a KV cache: ``"flash"``. torch's
       kernel needs such a rule as an explicit mask, which costs it more than flash's tiles.
-      One new token against its own cache has a causal rule that blocks nothing:
-      ``qkv.attention`` drops it, and the call goes to sdpa with no mask.
     - No mask (causal or not), no gradient to follow, and a call flash's compiled CPU kernel
-      takes (``flash.kernel_takes``: CPU, float32/float16/bfloat16, at least 16 queries):
-      ``"flash"``, faster than torch's fused kernel on every such call measured. Where the
-      inputs need gradients, sdpa: flash's backward is its PyTorch loop, slower than torch's.
+      takes (``flash.kernel_takes``: CPU, float32/float16/bfloat16, nothing empty):
+      ``"flash"``, faster than torch's fused kernel on every such call measured, from decoding
+      one token against a KV cache (whose causal rule blocks nothing, so ``qkv.attention``
+      drops it) to full-length passes. Where the inputs need gradients, sdpa: flash's backward
+      is its PyTorch loop, slower than torch's.
     - Otherwise ``"sdpa"``: torch's fused kernel was the fastest on every other case measured
-      (decoding one token; masks with many queries; float64; forward+backward).
+      (masks with many queries; float64; forward+backward).
     - When that backend cannot run the call, the next one that can: ``"flash"`` for empty
       sequences and NaN/Inf under a mask (which sdpa refuses), ``"sdpa"`` for dropout (which
       flash refuses), and ``"reference"``, the only backend that returns the weights.

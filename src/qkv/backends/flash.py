@@ -63,10 +63,12 @@ The compiled kernel: on CPUs, calls without a mask (causal or not, any batch and
 grouped heads, float32/float16/bfloat16) run the same forward recurrence compiled from
 ``flash_cpu.cpp``, one query block of one head at a time in cache-sized buffers, with one fused
 exp/sum pass per key block (which also finds the block's maximum) and, for bfloat16, the CPU's
-bfloat16 matrix units with float32 sums (scores stay float32). The loop below is the
-specification it is tested against, and it runs everything else: masks, float64, other
-devices, decoding (few queries), the backward pass. See ``_flash_cpu`` for how it is built, and
-``COMPILED_KERNEL`` to switch it off.
+bfloat16 matrix units with float32 sums (scores stay float32). Calls with fewer than
+``_KERNEL_BLOCK_QUERIES`` queries (decoding) take its other path: one query row at a time, K/V
+read where they lie, so a KV cache's buffer is never copied. The loop below is the
+specification both are tested against, and it runs everything else: masks, float64, other
+devices, the backward pass. See ``_flash_cpu`` for how it is built, and ``COMPILED_KERNEL`` to
+switch it off.
 
 Legend: B batch, H heads (Hq query, Hkv key/value), g = Hq / Hkv, N = B·Hkv, L/Lq query length,
 S/Lk key length, R rows of a tile (g · its queries), D features (Dk query/key, Dv value).

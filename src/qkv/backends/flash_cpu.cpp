@@ -543,7 +543,8 @@ std::vector<at::Tensor> decode_impl(
   float* od = out.data_ptr<float>();
   float* ld = lse.data_ptr<float>();
   // Rows are split between threads only when each gets enough work to pay for waking them.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, S * (D + Dv)));
+  const int64_t row_work = std::max<int64_t>(1, S * (D + Dv));
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / row_work);
   at::parallel_for(0, NG * Lq, grain, [&](int64_t begin, int64_t end) {
     const unsigned int control = _mm_getcsr();
     _mm_setcsr(control | _MM_FLUSH_ZERO_ON);  // as in forward_impl
@@ -556,7 +557,8 @@ std::vector<at::Tensor> decode_impl(
       const float m = row_max(p.data(), seen, c);
       float l = 0.f, *o = od + z * Dv;
       if (m == kNegInf) {  // no key (or only −inf scores): nothing to add, unless one is NaN
-        const bool nan = std::any_of(p.begin(), p.begin() + seen, [](float x) { return std::isnan(x); });
+        const bool nan =
+            std::any_of(p.begin(), p.begin() + seen, [](float x) { return std::isnan(x); });
         l = nan ? std::numeric_limits<float>::quiet_NaN() : 0.f;
         std::fill(o, o + Dv, l);
       } else {
