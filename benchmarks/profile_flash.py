@@ -126,10 +126,10 @@ def decode_profile() -> list[str]:
         ("qkv/modules.py", "forward"): "SelfAttention.forward (everything)",
         ("torch/nn/modules/linear.py", "forward"): "  the two linear layers (qkv_proj, out_proj)",
         ("qkv/modules.py", "append"): "  KVCache.append",
-        ("qkv/functional.py", "attention"): "  qkv.attention",
-        ("qkv/functional.py", "_canonical_call"): "    argument checks (_canonical_call)",
+        ("qkv/functional.py", "attention_of_projections"): "  qkv's attention call",
+        ("qkv/functional.py", "_call"): "    canonicalising it (_call)",
         ("qkv/backends/__init__.py", "choose"): '    backend="auto" choosing',
-        ("qkv/backends/sdpa.py", "attention"): "    the sdpa backend (torch's fused kernel)",
+        ("qkv/backends/flash.py", "attention"): "    the flash backend (its kernel's decoding)",
     }
     total = stats.total_tt
     lines = [
