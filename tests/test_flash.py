@@ -604,43 +604,56 @@ def test_kernel_is_as_accurate_as_torch_on_peaked_bfloat16_rows(kernel: object) 
     assert ours <= 1.1 * theirs, f"kernel {float(ours):.4f} against torch's {float(theirs):.4f}"
 
 
-def test_kernel_restores_the_callers_floating_point_mode(kernel: object) -> None:
+# The edge cases below run on both of the kernel's paths: query blocks (16 queries or more) and
+# decoding (fewer).
+
+
+@pytest.mark.parametrize("lq", [64, 1])
+def test_kernel_restores_the_callers_floating_point_mode(kernel: object, lq: int) -> None:
     # The kernel flushes results below 2^-126 to zero while it runs; the caller's thread must
     # get its subnormal numbers back afterwards.
     tiny = torch.tensor(1e-38, dtype=torch.float32)
     assert float(tiny * 1e-3) != 0.0
-    compiled(*(randn(1, 1, 64, 8, dtype=torch.float32) for _ in range(3)), scale=1.0,
-             causal_offset=None)  # fmt: skip
+    q, k, v = (randn(1, 1, length, 8, dtype=torch.float32) for length in (lq, 64, 64))
+    compiled(q, k, v, scale=1.0, causal_offset=None)
     assert float(tiny * 1e-3) != 0.0
 
 
-def test_kernel_rows_without_keys_are_zero_with_lse_minus_infinity(kernel: object) -> None:
-    q, k, v = (randn(1, 2, 40, 8, dtype=torch.float32) for _ in range(3))
-    out, lse = compiled(q, k[..., :25, :], v[..., :25, :], scale=0.3, causal_offset=25 - 40)
-    assert bool((out[..., :15, :] == 0).all()) and bool(torch.isneginf(lse[..., :15]).all())
-    assert bool(torch.isfinite(out[..., 15:, :]).all())
-    assert bool(torch.isfinite(lse[..., 15:]).all())
+@pytest.mark.parametrize("lq, lk", [(40, 25), (6, 2)])
+def test_kernel_rows_without_keys_are_zero_with_lse_minus_infinity(
+    kernel: object, lq: int, lk: int
+) -> None:
+    q, k, v = (randn(1, 2, length, 8, dtype=torch.float32) for length in (lq, lk, lk))
+    out, lse = compiled(q, k, v, scale=0.3, causal_offset=lk - lq)
+    empty = lq - lk  # query i sees keys j <= i - empty
+    assert bool((out[..., :empty, :] == 0).all()) and bool(torch.isneginf(lse[..., :empty]).all())
+    assert bool(torch.isfinite(out[..., empty:, :]).all())
+    assert bool(torch.isfinite(lse[..., empty:]).all())
 
 
-def test_kernel_propagates_nan(kernel: object) -> None:
-    q, k, v = (randn(1, 1, 40, 8, dtype=torch.float32) for _ in range(3))
-    q[0, 0, 3, 0] = math.nan  # one query row
+@pytest.mark.parametrize("lq, causal_offset, nan_row", [(40, 0, 3), (4, 8, 0)])
+def test_kernel_propagates_nan(kernel: object, lq: int, causal_offset: int, nan_row: int) -> None:
+    q, k, v = (randn(1, 1, length, 8, dtype=torch.float32) for length in (lq, 40, 40))
+    q[0, 0, nan_row, 0] = math.nan  # one query row
     k[0, 0, 10, 0] = math.nan  # one key: every row that sees it
-    out, _ = compiled(q, k, v, scale=0.3, causal_offset=0)
+    out, _ = compiled(q, k, v, scale=0.3, causal_offset=causal_offset)
     rows_nan = out.isnan().any(dim=-1)[0, 0]
-    expected = torch.arange(40) >= 10
-    expected[3] = True
+    expected = torch.arange(lq) + causal_offset >= 10
+    expected[nan_row] = True
     assert torch.equal(rows_nan, expected)
 
 
-def test_kernel_gives_the_same_bits_on_one_and_two_threads(kernel: object) -> None:
-    q, k, v = (randn(2, 3, 300, 40, dtype=torch.float32) for _ in range(3))
+@pytest.mark.parametrize("lq, lk, causal_offset", [(300, 300, 0), (3, 3000, None)])
+def test_kernel_gives_the_same_bits_on_one_and_two_threads(
+    kernel: object, lq: int, lk: int, causal_offset: int | None
+) -> None:
+    q, k, v = (randn(2, 3, length, 40, dtype=torch.float32) for length in (lq, lk, lk))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = compiled(q, k, v, scale=0.2, causal_offset=0)
+        one = compiled(q, k, v, scale=0.2, causal_offset=causal_offset)
         torch.set_num_threads(2)
-        two = compiled(q, k, v, scale=0.2, causal_offset=0)
+        two = compiled(q, k, v, scale=0.2, causal_offset=causal_offset)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
@@ -693,43 +706,6 @@ def test_kernel_decodes_from_a_cache_buffer_as_it_lies(
     # Decoding multiplies in float32 in every dtype, bfloat16 values widened as they are read.
     torch.testing.assert_close(out.double(), expected_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-5, rtol=1e-5)
-
-
-def test_kernel_decoding_edge_cases(kernel: object) -> None:
-    f32 = torch.float32
-    q, k, v = (
-        randn(1, 2, 4, 8, dtype=f32),
-        randn(1, 2, 30, 8, dtype=f32),
-        randn(1, 2, 30, 8, dtype=f32),
-    )
-    # Rows that may see no key: out 0, lse -inf (query i sees keys j <= i - 2).
-    out, lse = compiled(q, k, v, scale=0.3, causal_offset=-2)
-    assert bool((out[..., :2, :] == 0).all()) and bool(torch.isneginf(lse[..., :2]).all())
-    assert bool(torch.isfinite(out[..., 2:, :]).all())
-    # NaN in a query row or a key reaches exactly the rows that see it.
-    q[0, 0, 1, 0] = math.nan
-    k[0, 1, 20, 0] = math.nan
-    out, _ = compiled(q, k, v, scale=0.3, causal_offset=18)  # row i sees keys j <= i + 18
-    rows_nan = out.isnan().any(dim=-1)[0]
-    expected = torch.tensor([[False, True, False, False], [False, False, True, True]])
-    assert torch.equal(rows_nan, expected)
-    # The same bits on one and on two threads; the caller's floating-point mode restored.
-    q, k, v = (
-        randn(2, 8, 3, 32, dtype=f32),
-        randn(2, 8, 3000, 32, dtype=f32),
-        randn(2, 8, 3000, 32, dtype=f32),
-    )
-    tiny = torch.tensor(1e-38, dtype=torch.float32)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = compiled(q, k, v, scale=0.2, causal_offset=None)
-        torch.set_num_threads(2)
-        two = compiled(q, k, v, scale=0.2, causal_offset=None)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
-    assert float(tiny * 1e-3) != 0.0
 
 
 class _Recording:
