@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+from unittest import mock
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from hypothesis import strategies as st
 from oracle import assert_close, oracle, require
 
 import qkv
+from qkv.backends import _flash_cpu, flash
 
 f64 = torch.float64
 
@@ -277,6 +280,115 @@ def test_cache_keeps_gradients_flowing():
     keys, _ = cache.append(k[..., 2:, :], k[..., 2:, :])
     keys.sum().backward()
     assert torch.equal(k.grad, torch.ones_like(k))
+
+
+# --- decoding steps on flash's kernel ---------------------------------------------------------
+# A plain decoding step (float32/bfloat16 on the CPU, no mask, nothing to differentiate) runs as
+# one kernel call, flash.decode_step, which writes the cache and attends. It must give what the
+# general path gives (projection, KVCache.append, qkv.attention), bit for bit.
+
+
+@pytest.fixture
+def kernel_on() -> None:
+    if os.environ.get("QKV_FLASH_KERNEL") == "0":
+        pytest.skip("QKV_FLASH_KERNEL=0 switches the compiled kernel off")
+    assert _flash_cpu.load() is not None, "flash's compiled CPU kernel did not build"
+
+
+def decode(
+    module: qkv.SelfAttention, x: torch.Tensor, sizes: list[int], **kwargs: object
+) -> tuple[torch.Tensor, qkv.KVCache, int]:
+    """x fed to the layer in chunks of ``sizes`` through one cache: the outputs, the cache and
+    how many calls took the kernel's decoding step."""
+    cache, outputs, end = qkv.KVCache(), [], 0
+    with mock.patch.object(flash, "decode_step", wraps=flash.decode_step) as step:
+        for size in sizes:
+            outputs.append(module(x[:, end : end + size], cache=cache, **kwargs))
+            end += size
+    return torch.cat(outputs, dim=1), cache, step.call_count
+
+
+def general_path(module: qkv.SelfAttention, x: torch.Tensor, sizes: list[int], **kwargs: object):
+    """``decode`` with the kernel's decoding step off: an active trace records every call, so
+    each goes through projection, KVCache.append and qkv.attention (keeping no weights, so
+    "auto" picks the backend it would pick untraced)."""
+    with qkv.trace(keep="out"):
+        outputs, cache, steps = decode(module, x, sizes, **kwargs)
+    assert steps == 0
+    return outputs, cache
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 3),
+    head_dim=st.sampled_from([1, 5, 16, 24, 40, 64, 72]),
+    bias=st.booleans(),
+    causal=st.sampled_from([False, True, "top-left"]),
+    batch=st.integers(1, 3),
+    length=st.integers(1, 40),
+    data=st.data(),
+)
+def test_decoding_steps_on_the_kernel_equal_the_general_path(
+    kernel_on, kv_heads, group, head_dim, bias, causal, batch, length, data
+):
+    torch.manual_seed(data.draw(st.integers(0, 2**16)))
+    heads = kv_heads * group
+    module = layer(8, heads, kv_heads=kv_heads, head_dim=head_dim, bias=bias, causal=causal)
+    module = module.float().eval()
+    x = torch.randn(batch, length, 8)
+    sizes = []  # chunks of fewer than 16 positions, as decoding (and a short prompt) gives
+    while sum(sizes) < length:
+        sizes.append(data.draw(st.integers(1, min(15, length - sum(sizes)))))
+    with torch.no_grad():
+        outputs, cache, steps = decode(module, x, sizes)
+        expected, expected_cache = general_path(module, x, sizes)
+        in_float64, _, _ = decode(module.double(), x.double(), sizes)  # the general path
+    assert steps == len(sizes) - 1  # every call after the first, which fills the empty cache
+    assert torch.equal(outputs, expected)
+    assert torch.equal(cache.keys, expected_cache.keys)
+    assert torch.equal(cache.values, expected_cache.values)
+    assert len(cache) == length
+    torch.testing.assert_close(outputs.double(), in_float64, atol=2e-5, rtol=2e-5)
+
+
+def test_decoding_steps_on_the_kernel_in_bfloat16(kernel_on):
+    module = layer(16, 4, kv_heads=2, bias=True, causal=True).to(torch.bfloat16).eval()
+    x = torch.randn(2, 20, 16, dtype=torch.bfloat16)
+    sizes = [3] + [1] * 10 + [5, 2]
+    with torch.no_grad():
+        outputs, cache, steps = decode(module, x, sizes)
+        expected, expected_cache = general_path(module, x, sizes)
+    assert steps == len(sizes) - 1 and outputs.dtype == torch.bfloat16
+    assert torch.equal(outputs, expected)
+    assert torch.equal(cache.keys, expected_cache.keys)
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["gradients", "dropout", "backend", "trace", "kernel off", "float64", "chunk of 16"],
+)
+def test_decoding_steps_leave_the_kernel_when_they_must(kernel_on, why, monkeypatch):
+    module = qkv.SelfAttention(8, 2, causal=True, dropout=0.5 if why == "dropout" else 0.0)
+    module.train(why == "dropout")
+    if why == "backend":
+        module.backend = "sdpa"
+    if why == "kernel off":
+        monkeypatch.setattr(flash, "COMPILED_KERNEL", False)
+    if why == "float64":
+        module = module.double()
+    x = torch.randn(1, 20, 8, dtype=module.out_proj.weight.dtype)
+    sizes = [2, 16, 2] if why == "chunk of 16" else [2, 1, 1]
+    with torch.set_grad_enabled(why == "gradients"):
+        if why == "trace":
+            with qkv.trace() as recorded:
+                outputs, _, steps = decode(module, x, sizes)
+            assert len(recorded.records) == len(sizes)
+        else:
+            outputs, _, steps = decode(module, x, sizes)
+    taken = {"chunk of 16": 1}.get(why, 0)  # the last chunk of 2 still takes it
+    assert steps == taken
+    assert outputs.requires_grad == (why == "gradients")
 
 
 # --- properties -----------------------------------------------------------------------------------

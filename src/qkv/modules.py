@@ -1,19 +1,27 @@
 """Attention layers: ``SelfAttention`` and the ``KVCache`` it decodes with.
 
-The layer only projects and reshapes; the attention itself is ``qkv.attention``.
+The layer only projects and reshapes; the attention itself is ``qkv.attention``. One exception,
+for speed: a plain decoding step (float32 or bfloat16 on the CPU, a cache that already holds the
+layer's keys, no mask, nothing to differentiate) is one call of flash's compiled kernel
+(``flash.decode_step``), which writes the new keys and values into the cache's buffers and
+attends: the arithmetic ``qkv.attention`` would run, bit for bit, without the dozen torch
+operations around it.
 Legend: B batch, H heads, Hkv key/value heads, L query length, S key length, E model width
 (d_model), C context width (d_context), D head size (head_dim).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
 
 from qkv import _checks, backends, masks
+from qkv.backends import flash
 from qkv.functional import attention_of_projections
+from qkv.trace import current as current_recorder
 
 
 class KVCache:
@@ -66,12 +74,41 @@ class KVCache:
             self._length = self._keys.shape[-2]
             return self.keys, self.values
         start, added = self._length, k.shape[-2]
-        self._keys = _grown(self._keys, start, k)
-        self._values = _grown(self._values, start, v)
+        self._keys = _grown(self._keys, start, added, k)
+        self._values = _grown(self._values, start, added, v)
         self._keys.narrow(-2, start, added).copy_(k)
         self._values.narrow(-2, start, added).copy_(v)
         self._length = start + added
         return self._keys.narrow(-2, 0, self._length), self._values.narrow(-2, 0, self._length)
+
+    def _holds(self, batch: int, kv_heads: int, head_dim: int, like: torch.Tensor) -> bool:
+        """Whether the cache holds keys and values (batch, kv_heads, ·, head_dim) of ``like``'s
+        dtype and device, in buffers that ``_room`` can extend."""
+        keys, values = self._keys, self._values
+        return (
+            keys is not None
+            and values is not None
+            and keys.shape == values.shape
+            and keys.shape[:2] == (batch, kv_heads)
+            and keys.shape[3] == head_dim
+            and keys.dtype == like.dtype
+            and keys.device == like.device
+            and not (keys.requires_grad or values.requires_grad)
+        )
+
+    def _room(self, added: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """For a caller that writes the next ``added`` positions itself (``SelfAttention``'s
+        decoding step, where ``_holds``): the key and value buffers (B, Hkv, capacity, D), grown
+        if they are full, and the position the new ones start at. ``_extend`` counts them once
+        they are written."""
+        assert self._keys is not None and self._values is not None
+        start = self._length
+        self._keys = _grown(self._keys, start, added, self._keys)
+        self._values = _grown(self._values, start, added, self._values)
+        return self._keys, self._values, start
+
+    def _extend(self, added: int) -> None:
+        self._length += added
 
     def _continues(self, k: Any, v: Any) -> bool:
         """Whether k and v plainly continue what is cached (the common step): tensors with the
@@ -120,14 +157,17 @@ class KVCache:
                     )
 
 
-def _grown(buffer: torch.Tensor | None, length: int, new: torch.Tensor) -> torch.Tensor:
-    """``buffer`` if it has room for ``new`` after ``length`` positions, else a copy with double
-    the room (geometric growth keeps appending amortised O(1) per position)."""
-    needed = length + new.shape[-2]
+def _grown(
+    buffer: torch.Tensor | None, length: int, added: int, like: torch.Tensor
+) -> torch.Tensor:
+    """``buffer`` if it has room for ``added`` positions after ``length``, else a copy with
+    double the room (geometric growth keeps appending amortised O(1) per position), shaped
+    (*like's dims but -2, capacity, like's last dim) in like's dtype and device."""
+    needed = length + added
     if buffer is not None and buffer.shape[-2] >= needed:
         return buffer
     capacity = max(needed, 2 * (0 if buffer is None else buffer.shape[-2]), 16)
-    grown = new.new_empty((*new.shape[:-2], capacity, new.shape[-1]))
+    grown = like.new_empty((*like.shape[:-2], capacity, like.shape[-1]))
     if buffer is not None:
         grown[..., :length, :] = buffer[..., :length, :]
     return grown
@@ -245,24 +285,57 @@ class SelfAttention(nn.Module):
             _checks.mask("mask", mask, scores_shape, "(B, heads, L, S)")
         if padding_mask is not None:
             padding_mask = self._padding_mask(padding_mask, batch, keys)
-        q, k, v = self._project(x, context, cache)  # (B, H, L, D), (B, Hkv, S, D) x 2
-        result = attention_of_projections(
-            q,
-            k,
-            v,
-            mask=masks.combine(mask, padding_mask),
-            causal=causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            return_weights=return_weights,
-            backend=self.backend,
-        )
-        out, weights = result if isinstance(result, tuple) else (result, None)
-        out = out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim)
+        weights = None
+        plain = mask is None and padding_mask is None and context is None and not return_weights
+        if plain and cache is not None and self._steps_on_kernel(x, cache):
+            out = self._decode_step(x, cache, causal)  # (B, L, H·D)
+        else:
+            q, k, v = self._project(x, context, cache)  # (B, H, L, D), (B, Hkv, S, D) x 2
+            result = attention_of_projections(
+                q,
+                k,
+                v,
+                mask=masks.combine(mask, padding_mask),
+                causal=causal,
+                dropout_p=self.dropout if self.training else 0.0,
+                return_weights=return_weights,
+                backend=self.backend,
+            )
+            out, weights = result if isinstance(result, tuple) else (result, None)
+            out = out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim)
         out = self.out_proj(out)  # (B, L, E)
         if unbatched:
             out = out.squeeze(0)
             weights = None if weights is None else weights.squeeze(0)
         return (out, weights) if weights is not None else out
+
+    def _steps_on_kernel(self, x: torch.Tensor, cache: KVCache) -> bool:
+        """Whether this call (self-attention of x with a cache, no mask, no weights asked for) is
+        a decoding step that flash's kernel runs in one call (``flash.decode_step``): the cache
+        already holds this layer's keys, nothing is differentiated or dropped out, no
+        ``qkv.trace`` records the call, and the backend is flash, or auto, which picks flash for
+        such a call (``backends.choose``)."""
+        return (
+            self.backend in ("auto", "flash")
+            and (self.dropout == 0.0 or not self.training)
+            and not (torch.is_grad_enabled() and _needs_gradients(self, x))
+            and current_recorder() is None
+            and cache._holds(x.shape[0], self.kv_heads, self.head_dim, x)
+            and flash.decode_step_takes(x, x.shape[1])
+        )
+
+    def _decode_step(self, x: torch.Tensor, cache: KVCache, causal: bool | str) -> torch.Tensor:
+        """The fused projection of x's L positions; the kernel appends their keys and values to
+        the cache and attends their queries to every cached position. Returns (B, L, H·D)."""
+        assert self.qkv_proj is not None
+        length = x.shape[1]
+        keys, values, start = cache._room(length)
+        rows = self.qkv_proj(x)  # (B, L, (H + 2·Hkv)·D)
+        offset = masks.causal_offset(causal, length, start + length)
+        scale = 1.0 / math.sqrt(self.head_dim)
+        out = flash.decode_step(rows, keys, values, start, self.heads, scale, offset)
+        cache._extend(length)
+        return out
 
     def _project(
         self, x: torch.Tensor, context: torch.Tensor | None, cache: KVCache | None
@@ -349,6 +422,11 @@ def _rows(layer: nn.Linear | None, x: torch.Tensor, start: int, stop: int) -> to
     assert layer is not None
     bias = None if layer.bias is None else layer.bias[start:stop]
     return nn.functional.linear(x, layer.weight[start:stop], bias)
+
+
+def _needs_gradients(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether autograd would record the layer's call on x (with grad mode on)."""
+    return x.requires_grad or any(p.requires_grad for p in layer.parameters())
 
 
 def _split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:

@@ -277,6 +277,47 @@ def backward(
 # --- the backend entry points ------------------------------------------------------------------
 
 
+def decode_step_takes(x: torch.Tensor, length: int) -> bool:
+    """Whether ``decode_step`` runs a layer step of ``length`` new positions with inputs like
+    ``x``: few enough queries for the kernel's decoding path, float32 or bfloat16 on the CPU,
+    and the kernel switched on and built."""
+    return (
+        COMPILED_KERNEL
+        and length < _KERNEL_BLOCK_QUERIES
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.device.type == "cpu"
+        and _flash_cpu.load() is not None
+    )
+
+
+def decode_step(
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    heads: int,
+    scale: float,
+    causal_offset: int | None,
+) -> torch.Tensor:
+    """An attention layer's decoding step in one call of the compiled kernel (where
+    ``decode_step_takes``): the same arithmetic as ``forward`` on the kernel, without the torch
+    operations that would split the projection, write the cache and join the heads.
+
+    ``rows`` (B, L, (H + 2·Hkv)·D) is the layer's fused projection of L new positions: H query
+    heads, then Hkv key heads, then Hkv value heads. ``keys`` and ``values`` (B, Hkv, capacity, D)
+    are a KV cache's buffers holding ``start`` positions, with room for L more. The new keys and
+    values are written at ``start`` … ``start + L − 1``; the queries attend to the first
+    ``start + L`` (``causal_offset`` as in ``forward``). Returns (B, L, H·D) in ``rows``' dtype.
+    """
+    kernel = _flash_cpu.load()
+    assert kernel is not None  # decode_step_takes said so
+    causal = causal_offset is not None
+    out: torch.Tensor = kernel.decode_step(
+        rows, keys, values, start, heads, scale, causal, causal_offset or 0
+    )
+    return out
+
+
 def why_not(call: Call) -> str | None:
     if call.dropout_p > 0:
         return (
