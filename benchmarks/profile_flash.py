@@ -124,12 +124,12 @@ def decode_profile() -> list[str]:
     stats = pstats.Stats(profiler, stream=io.StringIO())
     parts = {
         ("qkv/modules.py", "forward"): "SelfAttention.forward (everything)",
+        ("qkv/modules.py", "_check_inputs"): "  checking x",
+        ("qkv/modules.py", "_steps_on_kernel"): "  deciding on the kernel's decoding step",
         ("torch/nn/modules/linear.py", "forward"): "  the two linear layers (qkv_proj, out_proj)",
-        ("qkv/modules.py", "append"): "  KVCache.append",
-        ("qkv/functional.py", "attention_of_projections"): "  qkv's attention call",
-        ("qkv/functional.py", "_call"): "    canonicalising it (_call)",
-        ("qkv/backends/__init__.py", "choose"): '    backend="auto" choosing',
-        ("qkv/backends/flash.py", "attention"): "    the flash backend (its kernel's decoding)",
+        ("qkv/backends/flash.py", "decode_step"): "  flash.decode_step (cache writes, attention)",
+        ("qkv/modules.py", "_project"): "  first token: projection and KVCache.append",
+        ("qkv/functional.py", "attention_of_projections"): "  first token: qkv's attention call",
     }
     total = stats.total_tt
     lines = [

@@ -52,8 +52,9 @@ def choose(call: Call) -> str:
       takes (``flash.kernel_takes``: CPU, float32/float16/bfloat16, nothing empty):
       ``"flash"``, faster than torch's fused kernel on every such call measured, from decoding
       one token against a KV cache (whose causal rule blocks nothing, so ``qkv.attention``
-      drops it) to full-length passes. Where the inputs need gradients, sdpa: flash's backward
-      is its PyTorch loop, slower than torch's.
+      drops it) to full-length passes. (``qkv.SelfAttention`` runs such a decoding step with a
+      KV cache as one kernel call, ``flash.decode_step``, without coming here.) Where the inputs
+      need gradients, sdpa: flash's backward is its PyTorch loop, slower than torch's.
     - Otherwise ``"sdpa"``: torch's fused kernel was the fastest on every other case measured
       (masks with many queries; float64; forward+backward).
     - When that backend cannot run the call, the next one that can: ``"flash"`` for empty
