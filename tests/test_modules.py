@@ -391,6 +391,18 @@ def test_decoding_steps_leave_the_kernel_when_they_must(kernel_on, why, monkeypa
     assert outputs.requires_grad == (why == "gradients")
 
 
+def test_a_decoding_step_under_autocast_meets_the_cache_check(kernel_on):
+    # Autocast projects a float32 x to bfloat16: a float32 cache refuses those keys with the
+    # cache's own error, as on the general path, not with an error from inside the kernel.
+    module = qkv.SelfAttention(8, 2, causal=True).eval()
+    cache = qkv.KVCache()
+    with torch.no_grad():
+        module(torch.randn(1, 3, 8), cache=cache)
+        with torch.autocast("cpu"), pytest.raises(TypeError, match="cache's dtype"):
+            module(torch.randn(1, 1, 8), cache=cache)
+    assert len(cache) == 3
+
+
 # --- properties -----------------------------------------------------------------------------------
 
 

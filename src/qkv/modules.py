@@ -312,13 +312,14 @@ class SelfAttention(nn.Module):
     def _steps_on_kernel(self, x: torch.Tensor, cache: KVCache) -> bool:
         """Whether this call (self-attention of x with a cache, no mask, no weights asked for) is
         a decoding step that flash's kernel runs in one call (``flash.decode_step``): the cache
-        already holds this layer's keys, nothing is differentiated or dropped out, no
-        ``qkv.trace`` records the call, and the backend is flash, or auto, which picks flash for
-        such a call (``backends.choose``)."""
+        already holds this layer's keys, nothing is differentiated or dropped out, no autocast
+        changes the projections' dtype, no ``qkv.trace`` records the call, and the backend is
+        flash, or auto, which picks flash for such a call (``backends.choose``)."""
         return (
             self.backend in ("auto", "flash")
             and (self.dropout == 0.0 or not self.training)
             and not (torch.is_grad_enabled() and _needs_gradients(self, x))
+            and not torch.is_autocast_enabled(x.device.type)  # projections in another dtype
             and current_recorder() is None
             and cache._holds(x.shape[0], self.kv_heads, self.head_dim, x)
             and flash.decode_step_takes(x, x.shape[1])

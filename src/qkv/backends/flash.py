@@ -202,18 +202,18 @@ def _compiled_forward(
         out, lse = kernel.decode(
             q_flat.flatten(0, 1), k_flat, v_flat, scale, causal, causal_offset or 0
         )
-        hq = q.shape[-3]
-        return out.view(*batch, hq, *out.shape[1:]), lse.view(*batch, hq, lse.shape[-1])
-    low = q.dtype == torch.bfloat16 and kernel.bfloat16_products()
-    q_flat, k_flat, v_flat, batch = _flat_heads(q, k, v, torch.bfloat16 if low else torch.float32)
-    out, lse = kernel.forward(
-        q_flat.flatten(0, 1).contiguous(),  # (N·g, Lq, Dk)
-        k_flat.contiguous(),
-        v_flat.contiguous(),
-        scale,
-        causal,
-        causal_offset or 0,
-    )
+    else:
+        low = q.dtype == torch.bfloat16 and kernel.bfloat16_products()
+        dtype = torch.bfloat16 if low else torch.float32
+        q_flat, k_flat, v_flat, batch = _flat_heads(q, k, v, dtype)
+        out, lse = kernel.forward(
+            q_flat.flatten(0, 1).contiguous(),  # (N·g, Lq, Dk)
+            k_flat.contiguous(),
+            v_flat.contiguous(),
+            scale,
+            causal,
+            causal_offset or 0,
+        )
     hq = q.shape[-3]
     return out.view(*batch, hq, *out.shape[1:]), lse.view(*batch, hq, lse.shape[-1])
 

@@ -622,7 +622,7 @@ at::Tensor decode_step(const at::Tensor& rows, const at::Tensor& k_buf, const at
   TORCH_CHECK(start >= 0 && start + L <= k_buf.size(2), "no room in the buffers");
   TORCH_CHECK(rows.scalar_type() == k_buf.scalar_type() &&
               k_buf.scalar_type() == v_buf.scalar_type(), "one dtype");
-  const at::Tensor split = rows.view({B, L, heads + 2 * Hkv, D}).transpose(1, 2);
+  const at::Tensor split = rows.reshape({B, L, heads + 2 * Hkv, D}).transpose(1, 2);
   k_buf.narrow(2, start, L).copy_(split.narrow(1, heads, Hkv));
   v_buf.narrow(2, start, L).copy_(split.narrow(1, heads + Hkv, Hkv));
   const at::Tensor q = split.narrow(1, 0, heads);  // (B, H, L, D)
