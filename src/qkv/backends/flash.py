@@ -279,15 +279,10 @@ def backward(
 
 def decode_step_takes(x: torch.Tensor, length: int) -> bool:
     """Whether ``decode_step`` runs a layer step of ``length`` new positions with inputs like
-    ``x``: few enough queries for the kernel's decoding path, float32 or bfloat16 on the CPU,
-    and the kernel switched on and built."""
-    return (
-        COMPILED_KERNEL
-        and length < _KERNEL_BLOCK_QUERIES
-        and x.dtype in (torch.float32, torch.bfloat16)
-        and x.device.type == "cpu"
-        and _flash_cpu.load() is not None
-    )
+    ``x``: few enough queries for the kernel's decoding path, not float16 (which that path
+    takes only after ``_compiled_forward`` widens it), and what ``kernel_takes`` asks of q, k
+    and v asked of x."""
+    return length < _KERNEL_BLOCK_QUERIES and x.dtype != torch.float16 and kernel_takes(x, x, x)
 
 
 def decode_step(

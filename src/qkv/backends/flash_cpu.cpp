@@ -126,6 +126,16 @@ inline float row_max(const float* s, int64_t n, float c) {
   return std::isnan(top) ? kNegInf : top;  // no score, or an infinite one times c = 0
 }
 
+// Whether any of a row's n scores is NaN: a row with no key to add passes NaN on, not 0.
+inline bool any_nan(const float* s, int64_t n) {
+  return std::any_of(s, s + n, [](float x) { return std::isnan(x); });
+}
+
+// A row's log-sum-exp from its base-2 maximum m and sum l: −inf for a row with no key (l = 0).
+inline float row_lse(float m, float l) {
+  return l == 0.f ? kNegInf : (m + std::log2(l)) * kLn2;
+}
+
 struct Exponentials {
   float sum;  // Σ_j p_j
   float top;  // max_j (s_j · c − m), NaN skipped: above 0, m must move up
@@ -352,7 +362,7 @@ std::vector<at::Tensor> forward_impl(
           if (m[r] == kNegInf) {  // the row's first keys: their maximum becomes m
             const float m_new = row_max(s_r, seen, c);
             if (m_new == kNegInf) {  // no key seen yet: nothing to add, unless a score is NaN
-              if (std::any_of(s_r, s_r + seen, [](float x) { return std::isnan(x); })) {
+              if (any_nan(s_r, seen)) {
                 l[r] = std::numeric_limits<float>::quiet_NaN();  // out and lse become NaN
               }
               std::fill(p_r, p_r + seen, P(0.f));
@@ -389,7 +399,7 @@ std::vector<at::Tensor> forward_impl(
         const float inv = l[r] == 0.f ? 0.f : 1.f / l[r];
         float* o = od + (head * Lq + q0 + r) * Dv;
         for (int64_t e = 0; e < Dv; ++e) o[e] = acc[r * Dv + e] * inv;
-        ld[head * Lq + q0 + r] = l[r] == 0.f ? kNegInf : (m[r] + std::log2(l[r])) * kLn2;
+        ld[head * Lq + q0 + r] = row_lse(m[r], l[r]);
       }
     }
     if constexpr (low) at::native::cpublas::brgemm_release(true);
@@ -427,9 +437,7 @@ inline __m512 lane_sums(const __m512 (&v)[16]) {
   };
   return halves(halves(w[0], w[1]), halves(w[2], w[3]));
 }
-#endif
 
-#if defined(__AVX512F__)
 // The lanes of the c-th 16-value chunk of a row of n values.
 inline __mmask16 chunk_lanes(int64_t n, int64_t c) {
   const int64_t left = std::clamp<int64_t>(n - 16 * c, 0, 16);
@@ -557,9 +565,7 @@ std::vector<at::Tensor> decode_impl(
       const float m = row_max(p.data(), seen, c);
       float l = 0.f, *o = od + z * Dv;
       if (m == kNegInf) {  // no key (or only −inf scores): nothing to add, unless one is NaN
-        const bool nan =
-            std::any_of(p.begin(), p.begin() + seen, [](float x) { return std::isnan(x); });
-        l = nan ? std::numeric_limits<float>::quiet_NaN() : 0.f;
+        l = any_nan(p.data(), seen) ? std::numeric_limits<float>::quiet_NaN() : 0.f;
         std::fill(o, o + Dv, l);
       } else {
         l = exp_row<float>(p.data(), p.data(), seen, c, m).sum;  // in place: 2^(s_j · c − m)
@@ -567,7 +573,7 @@ std::vector<at::Tensor> decode_impl(
         const float inv = 1.f / l;
         for (int64_t e = 0; e < Dv; ++e) o[e] *= inv;
       }
-      ld[z] = l == 0.f ? kNegInf : (m + std::log2(l)) * kLn2;
+      ld[z] = row_lse(m, l);
     }
     _mm_setcsr(control);
   });
