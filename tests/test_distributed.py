@@ -346,6 +346,9 @@ _FAULT_TIMEOUT = 3.0
 def _fault(rank: int, world_size: int) -> dict[str, Any]:
     """The last rank dies (world size 2) or hangs (world size 3); the others call the ring."""
     last = world_size - 1
+    # The fault comes once the group is up: a rank that dies while the others are still
+    # connecting fails their init_process_group instead of the ring.
+    dist.barrier()
     if rank == last:
         if world_size == 2:
             os._exit(1)
