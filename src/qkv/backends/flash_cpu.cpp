@@ -59,19 +59,19 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kLog2E = 1.4426950408889634f;
 
-// 2^x for x <= 0 (what the recurrence needs): 2^x = 2^n · 2^f with n = round(x) and
-// f in [−½, ½], where a polynomial approximates 2^f. Below −126 the result is 0 (also for −inf);
+// 2^x for x <= 0 (what the recurrence needs): 2^x = 2^n · 2^f with n = floor(x) and
+// f in [0, 1], where a polynomial approximates 2^f. Below −126 the result is 0 (also for −inf);
 // NaN stays NaN. Coefficients, highest power first, fitted for least maximum relative error:
 // degree 5 is within 2.4e-7 (float32 weights); degree 3 within 7.5e-5, far inside bfloat16's
 // rounding (2^-9), for the weights that are rounded to bfloat16 anyway.
-constexpr float kExp2Degree5[] = {1.3276472e-03f, 9.6755419e-03f, 5.5507131e-02f,
-                                  2.4022120e-01f, 6.9314694e-01f, 1.0000001f};
-constexpr float kExp2Degree3[] = {5.5171669e-02f, 2.4261115e-01f, 6.9326097e-01f, 9.9992806e-01f};
+constexpr float kExp2Degree5[] = {1.8775767e-03f, 8.9893406e-03f, 5.5826314e-02f,
+                                  2.4015363e-01f, 6.9315302e-01f, 1.0f};
+constexpr float kExp2Degree3[] = {7.8024521e-02f, 2.2606720e-01f, 6.9583350e-01f, 9.9992520e-01f};
 
 inline float exp2_scalar(float x) {
   if (std::isnan(x)) return x;
   if (x < -126.f) return 0.f;
-  const float n = std::nearbyint(x);
+  const float n = std::floor(x);
   const float f = x - n;
   float p = 0.f;
   for (float coefficient : kExp2Degree5) p = p * f + coefficient;
@@ -79,16 +79,16 @@ inline float exp2_scalar(float x) {
 }
 
 #if defined(__AVX512F__)
-// The same 2^x on 16 lanes. f = x − round(x) comes from one instruction and n = x − f (for −inf
-// they are 0 and −inf, so the result is 0; NaN stays NaN), and 2^n · p(f) from scalef. Results
-// below 2^-126 are flushed to 0 by the flush-to-zero mode the kernel runs in (see forward_impl).
+// The same 2^x on 16 lanes, in two instructions besides the polynomial: f = x − floor(x) from
+// reduce, and p(f) · 2^floor(x) from scalef, which floors its exponent itself, so n is never
+// formed (for −inf, f = 0 and the result is 0; NaN stays NaN). Results below 2^-126 are flushed
+// to 0 by the flush-to-zero mode the kernel runs in (see forward_impl).
 template <int Terms>
 inline __m512 exp2_avx512(__m512 x, const float (&coefficients)[Terms]) {
-  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 n = _mm512_sub_ps(x, f);
+  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   __m512 p = _mm512_set1_ps(coefficients[0]);
   for (int i = 1; i < Terms; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(coefficients[i]));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_scalef_ps(p, x);
 }
 #endif
 
