@@ -5,7 +5,10 @@ D=64, full attention) the operator table of flash's PyTorch loop (its compiled k
 off) and of torch's ``scaled_dot_product_attention``, each on one thread so that the
 per-operator times add up; then the time per score of each part of the loop, next to the time
 per score of flash's compiled kernel and of torch's kernel (see docs/performance.md); then where
-the time of one decoding step goes.
+the bfloat16 time of flash's compiled kernel and of torch's kernel goes at T = 4096 (``perf``
+samples by module, where ``perf`` is installed: both spend it in the same oneDNN matrix products
+and in their own code, next to this machine's matrix-multiply rate measured in the same minutes);
+then where the time of one decoding step goes.
 
     python benchmarks/profile_flash.py
 """
@@ -14,7 +17,13 @@ from __future__ import annotations
 
 import cProfile
 import io
+import json
+import os
 import pstats
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -82,6 +91,7 @@ def main() -> None:
             f" flash's compiled kernel in all {kernel_ms * 1e6 / scores:.2f}",
             "",
         ]
+    lines += kernel_profile()
     lines += decode_profile()
     OUT.write_text("\n".join(lines) + "\n")
     print(f"wrote {OUT}")
@@ -96,6 +106,133 @@ def median_ms(function) -> float:
         function()
         times.append((time.perf_counter() - start) * 1e3)
     return sorted(times)[2]
+
+
+KERNEL_T = 4096
+
+# Run under `perf record`, sampling only during the attention calls; between them the same
+# process times torch's bfloat16 matrix multiply, so that the two rates come from the same minutes.
+_SAMPLED_CALLS = """
+import json, statistics, sys, time, torch, qkv
+torch.set_num_threads(1)
+q, k, v = (torch.randn(1, {heads}, {length}, {dim}).bfloat16() for _ in range(3))
+a = torch.randn(2048, 2048).bfloat16()
+product = torch.empty_like(a)
+call = {call}
+for _ in range(3):
+    call()
+    torch.mm(a, a, out=product)
+attention, mm = [], []
+with open(sys.argv[1], "w") as control, open(sys.argv[2]) as ack:
+    for _ in range({calls}):
+        control.write("enable\\n"); control.flush(); ack.readline()
+        start = time.perf_counter()
+        call()
+        attention.append(time.perf_counter() - start)
+        control.write("disable\\n"); control.flush(); ack.readline()
+        start = time.perf_counter()
+        torch.mm(a, a, out=product)
+        mm.append(time.perf_counter() - start)
+print(json.dumps(dict(attention=statistics.median(attention), mm=statistics.median(mm))))
+"""
+
+_CALLS = {
+    "flash's kernel": 'lambda: qkv.attention(q, k, v, backend="flash")',
+    "torch's kernel": "lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)",
+}
+
+# perf's module names, shortened; [JIT] is oneDNN's generated code: the matrix products.
+_MODULES = {"[JIT]": "products", "qkv_flash_cpu": "qkv_flash_cpu", "libtorch_cpu": "libtorch"}
+
+
+def kernel_profile(calls: int = 20) -> list[str]:
+    """Where the bfloat16 forward's time goes at T = 4096 on one thread, in flash's compiled
+    kernel and in torch's: the share of `perf` samples in each module, and from it the time and
+    rate of the matrix products (oneDNN's generated code in both), next to this machine's
+    bfloat16 matrix-multiply rate timed between the sampled calls."""
+    scores = KERNEL_T * KERNEL_T * HEADS
+    flop = 4 * scores * DIM  # q·kᵀ and p·v
+    lines = [
+        f"== bfloat16 forward, T={KERNEL_T}, full attention, one thread: perf samples by module "
+        f"during {calls} calls",
+        f"{'':15} {'ms/call':>8} {'mm GFLOP/s':>10} "
+        + " ".join(f"{name:>13}" for name in [*_MODULES.values(), "other"])
+        + f" {'products ms':>11} {'GFLOP/s':>8} {'% of mm':>7} {'rest ms':>7}",
+    ]
+    for label, call in _CALLS.items():
+        sampled = perf_shares(call, calls)
+        if sampled is None:
+            lines.append(f"{label:15} (perf is not installed or cannot sample here)")
+            continue
+        shares, seconds = sampled
+        mm_rate = 2 * 2048**3 / seconds["mm"] / 1e9
+        products = seconds["attention"] * shares.get("products", 0.0)
+        rate = flop / products / 1e9 if products > 0 else float("nan")
+        lines.append(
+            f"{label:15} {seconds['attention'] * 1e3:8.1f} {mm_rate:10.0f} "
+            + " ".join(
+                f"{100 * shares.get(name, 0.0):12.1f}%" for name in [*_MODULES.values(), "other"]
+            )
+            + f" {products * 1e3:11.1f} {rate:8.0f} {100 * rate / mm_rate:6.0f}% "
+            f"{(seconds['attention'] - products) * 1e3:7.1f}"
+        )
+    return [*lines, ""]
+
+
+def perf_shares(call: str, calls: int) -> tuple[dict[str, float], dict[str, float]] | None:
+    """Share of `perf record` samples per module during ``calls`` runs of ``call`` (source of
+    a lambda over q, k, v) in a child process, and that process's median seconds per call and
+    per matrix multiply; None where perf is missing or cannot sample."""
+    if shutil.which("perf") is None:
+        return None
+    with tempfile.TemporaryDirectory() as folder:
+        control, ack, data = (os.path.join(folder, name) for name in ("ctl", "ack", "perf.data"))
+        os.mkfifo(control)
+        os.mkfifo(ack)
+        script = os.path.join(folder, "calls.py")
+        with open(script, "w") as file:
+            file.write(
+                _SAMPLED_CALLS.format(heads=HEADS, length=KERNEL_T, dim=DIM, call=call, calls=calls)
+            )
+        record = subprocess.run(
+            [
+                "perf",
+                "record",
+                "-q",
+                "-o",
+                data,
+                "-D",
+                "-1",
+                f"--control=fifo:{control},{ack}",
+                "--",
+                sys.executable,
+                script,
+                control,
+                ack,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        if record.returncode != 0:
+            return None
+        report = subprocess.run(
+            ["perf", "report", "-i", data, "--stdio", "-q", "--sort", "dso"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    shares: dict[str, float] = {}
+    for line in report.stdout.splitlines():
+        fields = line.split(None, 1)
+        if len(fields) != 2 or not fields[0].endswith("%"):
+            continue
+        share = float(fields[0].rstrip("%")) / 100
+        label = next((name for key, name in _MODULES.items() if key in fields[1]), "other")
+        shares[label] = shares.get(label, 0.0) + share
+    if not shares:
+        return None
+    return shares, json.loads(record.stdout.strip().splitlines()[-1])
 
 
 def decode_profile() -> list[str]:
