@@ -73,13 +73,12 @@ class KVCache:
             self._values = v if self._values is None else torch.cat([self.values, v], dim=-2)
             self._length = self._keys.shape[-2]
             return self.keys, self.values
-        start, added = self._length, k.shape[-2]
-        self._keys = _grown(self._keys, start, added, k)
-        self._values = _grown(self._values, start, added, v)
-        self._keys.narrow(-2, start, added).copy_(k)
-        self._values.narrow(-2, start, added).copy_(v)
-        self._length = start + added
-        return self._keys.narrow(-2, 0, self._length), self._values.narrow(-2, 0, self._length)
+        added = k.shape[-2]
+        keys, values, start = self._room(added, k, v)
+        keys.narrow(-2, start, added).copy_(k)
+        values.narrow(-2, start, added).copy_(v)
+        self._extend(added)
+        return keys.narrow(-2, 0, self._length), values.narrow(-2, 0, self._length)
 
     def _holds(self, batch: int, kv_heads: int, head_dim: int, like: torch.Tensor) -> bool:
         """Whether the cache holds keys and values (batch, kv_heads, ·, head_dim) of ``like``'s
@@ -96,15 +95,20 @@ class KVCache:
             and not (keys.requires_grad or values.requires_grad)
         )
 
-    def _room(self, added: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """For a caller that writes the next ``added`` positions itself (``SelfAttention``'s
-        decoding step, where ``_holds``): the key and value buffers (B, Hkv, capacity, D), grown
-        if they are full, and the position the new ones start at. ``_extend`` counts them once
-        they are written."""
-        assert self._keys is not None and self._values is not None
+    def _room(
+        self, added: int, k: torch.Tensor | None = None, v: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """For a caller that writes the next ``added`` positions itself (``append``, and
+        ``SelfAttention``'s decoding step where ``_holds``): the key and value buffers
+        (B, Hkv, capacity, D), grown if they are full (an empty cache's shaped like the new k
+        and v), and the position the new ones start at. ``_extend`` counts them once they are
+        written."""
+        k = self._keys if k is None else k
+        v = self._values if v is None else v
+        assert k is not None and v is not None
         start = self._length
-        self._keys = _grown(self._keys, start, added, self._keys)
-        self._values = _grown(self._values, start, added, self._values)
+        self._keys = _grown(self._keys, start, added, k)
+        self._values = _grown(self._values, start, added, v)
         return self._keys, self._values, start
 
     def _extend(self, added: int) -> None:
