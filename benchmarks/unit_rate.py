@@ -36,6 +36,7 @@ _PROBE = r"""
 #include <unistd.h>
 #include <chrono>
 #include <cstdint>
+#include <stdexcept>
 
 namespace {
 struct alignas(64) TileConfig {
@@ -47,7 +48,8 @@ struct alignas(64) TileConfig {
 
 double tile_products_per_ns(double seconds) {
   constexpr long kRequestTileData = 0x1023, kTileData = 18;  // Linux: allow AMX state
-  if (syscall(SYS_arch_prctl, kRequestTileData, kTileData) != 0) return -1.0;
+  if (syscall(SYS_arch_prctl, kRequestTileData, kTileData) != 0)
+    throw std::runtime_error("the kernel refused this process the AMX tile state");
   TileConfig config;
   for (int i = 0; i < 8; ++i) config.bytes_per_row[i] = 64, config.rows[i] = 16;
   _tile_loadconfig(&config);
@@ -138,7 +140,10 @@ def samples_on(cpu: int, count: int, probe) -> list[dict[str, float]]:
 
 
 def summary(rows: list[dict[str, float]], label: str) -> str:
-    median = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+    median = {
+        key: statistics.median(row[key] for row in rows)
+        for key in ("unit", "mm", "flash_ms", "torch_ms", "ratio")
+    }
     below = sum(row["ratio"] < 1.5 for row in rows)
     return (
         f"{label:22} {len(rows):3} samples: unit {median['unit']:.3f}/ns, mm "
