@@ -490,6 +490,20 @@ def kernel_tolerances(kernel: object, dtype: torch.dtype) -> tuple[float, float]
     return (2.0**-8, 1e-4) if low else (1e-5, 1e-5)
 
 
+def assert_close_to_the_loop(
+    kernel: object,
+    dtype: torch.dtype,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    expected_out: torch.Tensor,
+    expected_lse: torch.Tensor,
+) -> None:
+    """The kernel's out and lse against the float64 loop's, within kernel_tolerances."""
+    out_tolerance, lse_tolerance = kernel_tolerances(kernel, dtype)
+    torch.testing.assert_close(out.double(), expected_out, atol=out_tolerance, rtol=out_tolerance)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=lse_tolerance, rtol=lse_tolerance)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     batch=st.sampled_from([(), (1,), (2,), (2, 1)]),
@@ -542,9 +556,7 @@ def test_kernel_in_low_precision(kernel: object, dtype: torch.dtype, causal_offs
                randn(2, 2, 700, 48, dtype=dtype))  # fmt: skip
     out, lse = compiled(q, k, v, scale=0.125, causal_offset=causal_offset)
     expected_out, expected_lse = by_the_loop(q, k, v, scale=0.125, causal_offset=causal_offset)
-    out_tolerance, lse_tolerance = kernel_tolerances(kernel, dtype)
-    torch.testing.assert_close(out.double(), expected_out, atol=out_tolerance, rtol=out_tolerance)
-    torch.testing.assert_close(lse.double(), expected_lse, atol=lse_tolerance, rtol=lse_tolerance)
+    assert_close_to_the_loop(kernel, dtype, out, lse, expected_out, expected_lse)
     final = qkv.attention(q, k, v, causal=False, backend="flash") if causal_offset is None else None
     if final is not None:  # the output in the input dtype: within the contract's tolerance
         assert final.dtype == dtype
@@ -582,15 +594,13 @@ def test_kernel_follows_scores_that_jump_between_key_blocks(
     # Rows from 1024 see the jump. (Causally, earlier rows see only scores around −jump, where
     # float32 scores themselves are off by |score| · 2^-24: not what this test is about.)
     rows = slice(1024, None) if causal_offset == 0 else slice(None)
-    out_tolerance, lse_tolerance = kernel_tolerances(kernel, dtype)
-    torch.testing.assert_close(
-        out[..., rows, :].double(),
+    assert_close_to_the_loop(
+        kernel,
+        dtype,
+        out[..., rows, :],
+        lse[..., rows],
         expected_out[..., rows, :],
-        atol=out_tolerance,
-        rtol=out_tolerance,
-    )
-    torch.testing.assert_close(
-        lse[..., rows].double(), expected_lse[..., rows], atol=lse_tolerance, rtol=lse_tolerance
+        expected_lse[..., rows],
     )
 
 
@@ -612,9 +622,7 @@ def test_kernel_weights_stay_bounded_when_scores_climb_block_by_block(
     out, lse = compiled(q, k, v, scale=scale, causal_offset=None)
     expected_out, expected_lse = by_the_loop(q, k, v, scale=scale, causal_offset=None)
     assert bool(out.isfinite().all()), "the sum of the weights overflowed"
-    out_tolerance, lse_tolerance = kernel_tolerances(kernel, dtype)
-    torch.testing.assert_close(out.double(), expected_out, atol=out_tolerance, rtol=out_tolerance)
-    torch.testing.assert_close(lse.double(), expected_lse, atol=lse_tolerance, rtol=lse_tolerance)
+    assert_close_to_the_loop(kernel, dtype, out, lse, expected_out, expected_lse)
 
 
 def test_kernel_is_as_accurate_as_torch_on_peaked_bfloat16_rows(kernel: object) -> None:
