@@ -65,8 +65,9 @@ constexpr int64_t kKeyBlock = 512;    // keys per block: (Bq, Bk) float32 scores
 // each row a tile reads or writes does too.
 constexpr int64_t kScoreStride = kKeyBlock + 16, kWeightStride = kKeyBlock + 32;
 // A thread's scratch buffers (scores, weights, acc) start on a cache line. std::vector's
-// allocator promises only 16 bytes, and then every 64-byte row of a 16-row matrix tile
-// straddles two lines: the bfloat16 kernel ran 15–20 % slower at T = 4096 (docs/performance.md).
+// allocator promises only 16 bytes; with the score and weight rows 16 or 32 bytes off a line
+// (each row a tile reads or writes, each vector of the exponentiation pass then spans two
+// lines), the bfloat16 kernel took 13–28 % longer at T = 4096 (docs/performance.md).
 template <typename T>
 struct LineAligned {
   using value_type = T;
