@@ -396,7 +396,7 @@ def test_auto_rule(call: Call, expected: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "lq, lk, causal_offset",
-    [(300, 300, 0), (300, 300, None), (100, 300, 200), (1, 300, None), (4, 300, None)],
+    [(300, 300, 0), (1024, 1024, None), (100, 300, 200), (1, 300, None), (4, 300, None)],
 )
 def test_auto_picks_the_compiled_kernel_for_calls_without_a_mask_or_gradients(
     kernel: object,
@@ -415,6 +415,25 @@ def test_auto_picks_the_compiled_kernel_for_calls_without_a_mask_or_gradients(
         assert backends.choose(learning) == "flash"
     monkeypatch.setattr(flash, "COMPILED_KERNEL", False)
     assert backends.choose(call) == "sdpa"  # flash's loop is slower than torch's kernel here
+
+
+@pytest.mark.parametrize(
+    "lq, lk, dtype, expected",
+    [
+        (300, 300, torch.float32, "sdpa"),  # 2 heads × 300 × 300: under 2^20 scores
+        (64, 64, torch.float16, "sdpa"),
+        (64, 8192, torch.float32, "sdpa"),  # 2^20 scores, but not a whole block of queries
+        (64, 8192, torch.bfloat16, "flash"),  # ... which bfloat16 does not need
+        (128, 4096, torch.float32, "flash"),
+        (8, 64, torch.float32, "flash"),  # decoding: always the kernel
+    ],
+)
+def test_auto_sends_small_calls_without_a_rule_to_torch(
+    kernel: object, lq: int, lk: int, dtype: torch.dtype, expected: str
+) -> None:
+    """No mask and no causal rule: flash's kernel only where it was measured to be faster."""
+    assert backends.choose(_call(lq, lk, dtype)) == expected
+    assert backends.choose(_call(lq, lk, dtype, causal_offset=0)) == "flash"  # causal: always
 
 
 @settings(max_examples=15, deadline=None)

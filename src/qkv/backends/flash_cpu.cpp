@@ -64,7 +64,9 @@ constexpr int64_t kKeyBlock = 512;    // keys per block: (Bq, Bk) float32 scores
 // lines (2112 and 1088 bytes for bfloat16), so that in a buffer that starts on a line (Scratch)
 // each row a tile reads or writes does too.
 constexpr int64_t kScoreStride = kKeyBlock + 16, kWeightStride = kKeyBlock + 32;
-// A thread's scratch buffers (scores, weights, acc) start on a cache line. std::vector's
+// A thread's scratch buffers (scores, weights, acc) start on a cache line, and are not zeroed
+// (every element is written before it is read; zeroing them cost short calls up to a fifth of
+// their time). std::vector's
 // allocator promises only 16 bytes; with the score and weight rows 16 or 32 bytes off a line
 // (each row a tile reads or writes, each vector of the exponentiation pass then spans two
 // lines), the bfloat16 kernel took 13–28 % longer at T = 4096 (docs/performance.md).
@@ -81,6 +83,10 @@ struct LineAligned {
     throw std::bad_alloc();
   }
   void deallocate(T* p, std::size_t) { std::free(p); }
+  template <typename U>
+  void construct(U* p) noexcept {  // default-initialised: left as allocated
+    ::new (static_cast<void*>(p)) U;
+  }
   template <typename U>
   bool operator==(const LineAligned<U>&) const { return true; }
   template <typename U>
@@ -258,8 +264,9 @@ inline Exponentials exp_row(const float* s, P* p, int64_t n, float c, float m) {
 // Keys and values in the order the products read them.
 //   float32:  kt = kᵀ per head (N, D, S); v as given.
 //   bfloat16: per key block, kᵀ (D, Bk) and v (Bk, Dv) in pairs-of-rows order: element
-//             (r, c) of a (R, C) matrix at [(r / 2) · C + c] · 2 + r % 2, zero-padded to whole
-//             blocks (keys) and to an even number of rows.
+//             (r, c) of a (R, C) matrix at [(r / 2) · C + c] · 2 + r % 2, zero-padded to what
+//             the products read: kᵀ to a whole 32-key group, v to an even number of rows (the
+//             rest of a short last block is left unwritten).
 struct Operands {
   at::Tensor keys, values;
 };
@@ -305,8 +312,9 @@ Operands arrange(const at::Tensor& k, const at::Tensor& v, int64_t key_blocks) {
 #endif
           for (; j < kn; ++j)
             for (int64_t i = 0; i < pairs; ++i) to[i * kKeyBlock + j] = from[j * pairs + i];
+          const int64_t kn32 = std::min(kKeyBlock, (kn + 31) / 32 * 32);
           for (int64_t i = 0; i < pairs; ++i)
-            std::fill(to + i * kKeyBlock + kn, to + (i + 1) * kKeyBlock, 0u);
+            std::fill(to + i * kKeyBlock + kn, to + i * kKeyBlock + kn32, 0u);
         } else {
           for (int64_t d = 0; d < De; ++d)  // kᵀ: row d, column j
             for (int64_t j = 0; j < kKeyBlock; ++j)
@@ -316,7 +324,7 @@ Operands arrange(const at::Tensor& k, const at::Tensor& v, int64_t key_blocks) {
         // v: rows j and j + 1 interleaved, element by element, into row j / 2.
         const auto* bits = reinterpret_cast<const uint16_t*>(vh);
         auto* pairs = reinterpret_cast<uint32_t*>(vb);
-        for (int64_t j = 0; j < kKeyBlock; j += 2) {
+        for (int64_t j = 0; j < kn; j += 2) {
           const uint16_t* even = bits + j * Dv;
           const uint16_t* odd = even + Dv;
           uint32_t* row = pairs + (j / 2) * Dv;
