@@ -53,10 +53,11 @@ def choose(call: Call) -> str:
       the call is causal, when it is decoding (fewer than 16 queries; a KV cache's causal rule
       blocks nothing, so ``qkv.attention`` drops it), or when it is big enough for the kernel's
       blocks (``_kernel_beats_torch_without_a_rule``). There flash was faster than torch's fused
-      kernel in every call measured; below that size torch's kernel is, up to 3× for small
-      float16 calls. (``qkv.SelfAttention`` runs a decoding step with a KV cache as one kernel
-      call, ``flash.decode_step``, without coming here.) Where the inputs need gradients, sdpa:
-      flash's backward is its PyTorch loop, slower than torch's.
+      kernel in the calls measured, but for a few near that size within 3 %; below it torch's
+      kernel is faster, up to 3× for small float16 calls. (``qkv.SelfAttention`` runs a
+      decoding step with a KV cache as one kernel call, ``flash.decode_step``, without coming
+      here.) Where the inputs need gradients, sdpa: flash's backward is its PyTorch loop, slower
+      than torch's.
     - Otherwise ``"sdpa"``: torch's fused kernel was the fastest on every other case measured
       (masks with many queries; float64; forward+backward).
     - When that backend cannot run the call, the next one that can: ``"flash"`` for empty

@@ -66,10 +66,10 @@ constexpr int64_t kKeyBlock = 512;    // keys per block: (Bq, Bk) float32 scores
 constexpr int64_t kScoreStride = kKeyBlock + 16, kWeightStride = kKeyBlock + 32;
 // A thread's scratch buffers (scores, weights, acc) start on a cache line, and are not zeroed
 // (every element is written before it is read; zeroing them cost short calls up to a fifth of
-// their time). std::vector's
-// allocator promises only 16 bytes; with the score and weight rows 16 or 32 bytes off a line
-// (each row a tile reads or writes, each vector of the exponentiation pass then spans two
-// lines), the bfloat16 kernel took 13–28 % longer at T = 4096 (docs/performance.md).
+// their time). std::vector's allocator promises only 16 bytes; with the score and weight rows
+// 16 or 32 bytes off a line (each row a tile reads or writes, each vector of the
+// exponentiation pass then spans two lines), the bfloat16 kernel took 13–28 % longer at
+// T = 4096 (docs/performance.md).
 template <typename T>
 struct LineAligned {
   using value_type = T;
