@@ -60,13 +60,13 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v = (torch.randn(1, HEADS, T, DIM).to(dtype) for _ in range(3))
         name = str(dtype).removeprefix("torch.")
-        flash.COMPILED_KERNEL = False
+        flash.kernel.ENABLED = False
         flash_ms = operator_table(
             lambda q=q, k=k, v=v: qkv.attention(q, k, v, backend="flash"),
             f"flash's PyTorch loop {name}",
             lines,
         )
-        flash.COMPILED_KERNEL = True
+        flash.kernel.ENABLED = True
         kernel_ms = median_ms(lambda q=q, k=k, v=v: qkv.attention(q, k, v, backend="flash"))
         torch_ms = operator_table(
             lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v),

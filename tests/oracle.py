@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import qkv
-from qkv.backends import why_not
 from qkv.backends.base import Call, Unsupported
+from qkv.backends.dispatch import why_not
 
 BACKENDS = ("reference", "sdpa", "flash", "auto")
 

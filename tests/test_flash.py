@@ -20,9 +20,10 @@ from oracle import TOLERANCE, oracle
 from torch.profiler import ProfilerActivity, profile
 
 import qkv
-from qkv import backends
-from qkv.backends import _flash_cpu, flash
+from qkv.backends import dispatch, flash
 from qkv.backends.base import Call, Unsupported
+from qkv.backends.flash import kernel as flash_kernel
+from qkv.backends.flash import loop as flash_loop
 
 f64 = torch.float64
 
@@ -30,7 +31,7 @@ f64 = torch.float64
 @pytest.fixture
 def loop(monkeypatch: pytest.MonkeyPatch) -> None:
     """flash's PyTorch loop for every call, never the compiled kernel."""
-    monkeypatch.setattr(flash, "COMPILED_KERNEL", False)
+    monkeypatch.setattr(flash_kernel, "ENABLED", False)
 
 
 @pytest.fixture
@@ -93,13 +94,13 @@ def test_causal_tiles_above_the_diagonal_are_skipped(
     tiny_tiles: None, monkeypatch: pytest.MonkeyPatch, lq: int, lk: int, causal: bool | str
 ) -> None:
     computed: list[tuple[int, int, int, int]] = []
-    scores = flash._Tiles.scores
+    scores = flash_loop._Tiles.scores
 
     def recording(self, q_rows, q0, q1, k0, k1):  # type: ignore[no-untyped-def]
         computed.append((q0, q1, k0, k1))
         return scores(self, q_rows, q0, q1, k0, k1)
 
-    monkeypatch.setattr(flash._Tiles, "scores", recording)
+    monkeypatch.setattr(flash_loop._Tiles, "scores", recording)
     q, k, v = randn(1, 2, lq, 4), randn(1, 2, lk, 4), randn(1, 2, lk, 4)
     out = qkv.attention(q, k, v, causal=causal, backend="flash")
     torch.testing.assert_close(out, oracle(q, k, v, causal=causal)[0], atol=1e-12, rtol=1e-12)
@@ -117,9 +118,9 @@ def test_causal_tiles_above_the_diagonal_are_skipped(
 
 def test_decoding_one_query_is_a_single_tile(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    scores = flash._Tiles.scores
+    scores = flash_loop._Tiles.scores
     monkeypatch.setattr(
-        flash._Tiles, "scores", lambda self, *a: calls.append(a[1:]) or scores(self, *a)
+        flash_loop._Tiles, "scores", lambda self, *a: calls.append(a[1:]) or scores(self, *a)
     )
     q, k, v = randn(2, 8, 1, 16), randn(2, 2, 3000, 16), randn(2, 2, 3000, 16)
     out = qkv.attention(q, k, v, causal=True, backend="flash")
@@ -129,7 +130,7 @@ def test_decoding_one_query_is_a_single_tile(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_grouped_heads_do_not_copy_keys_and_values() -> None:
     q, k, v = randn(2, 8, 3, 4), randn(2, 2, 5, 4), randn(2, 2, 5, 4)
-    heads = flash._Heads.of(q, k, v, scale=0.5)
+    heads = flash_loop._Heads.of(q, k, v, scale=0.5)
     assert heads.k.data_ptr() == k.data_ptr() and heads.k.shape == (4, 5, 4)
     assert heads.v.data_ptr() == v.data_ptr() and heads.v.shape == (4, 5, 4)
     assert heads.q.shape == (4, 4, 3, 4)  # (N, g, Lq, Dk)
@@ -390,7 +391,7 @@ def _call(lq: int, lk: int, dtype: torch.dtype = torch.float32, **kwargs: object
     ],
 )
 def test_auto_rule(call: Call, expected: str) -> None:
-    assert backends.choose(call) == expected
+    assert dispatch.choose(call) == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -407,14 +408,14 @@ def test_auto_picks_the_compiled_kernel_for_calls_without_a_mask_or_gradients(
     causal_offset: int | None,
 ) -> None:
     call = _call(lq, lk, dtype, causal_offset=causal_offset)
-    assert backends.choose(call) == "flash"
+    assert dispatch.choose(call) == "flash"
     learning = _call(lq, lk, dtype, causal_offset=causal_offset)
     learning.q.requires_grad_()
-    assert backends.choose(learning) == "sdpa"  # a backward pass may follow: torch's is faster
+    assert dispatch.choose(learning) == "sdpa"  # a backward pass may follow: torch's is faster
     with torch.no_grad():
-        assert backends.choose(learning) == "flash"
-    monkeypatch.setattr(flash, "COMPILED_KERNEL", False)
-    assert backends.choose(call) == "sdpa"  # flash's loop is slower than torch's kernel here
+        assert dispatch.choose(learning) == "flash"
+    monkeypatch.setattr(flash_kernel, "ENABLED", False)
+    assert dispatch.choose(call) == "sdpa"  # flash's loop is slower than torch's kernel here
 
 
 @pytest.mark.parametrize(
@@ -432,8 +433,8 @@ def test_auto_sends_small_calls_without_a_rule_to_torch(
     kernel: object, lq: int, lk: int, dtype: torch.dtype, expected: str
 ) -> None:
     """No mask and no causal rule: flash's kernel only where it was measured to be faster."""
-    assert backends.choose(_call(lq, lk, dtype)) == expected
-    assert backends.choose(_call(lq, lk, dtype, causal_offset=0)) == "flash"  # causal: always
+    assert dispatch.choose(_call(lq, lk, dtype)) == expected
+    assert dispatch.choose(_call(lq, lk, dtype, causal_offset=0)) == "flash"  # causal: always
 
 
 @settings(max_examples=15, deadline=None)
@@ -450,12 +451,12 @@ def test_any_tiling_gives_the_same_answer(
     q, k, v = randn(2, 2, lq, 3), randn(2, 1, lk, 3), randn(2, 1, lk, 2)
     mask = torch.rand(2, 2, lq, lk) > 0.3
     expected, _ = oracle(q, k, v, mask=mask, causal=causal)
-    old = flash.QUERY_TILE, flash.KEY_TILE
-    flash.QUERY_TILE, flash.KEY_TILE = query_tile, key_tile
+    old = flash_loop.QUERY_TILE, flash_loop.KEY_TILE
+    flash_loop.QUERY_TILE, flash_loop.KEY_TILE = query_tile, key_tile
     try:
         out = qkv.attention(q, k, v, mask=mask, causal=causal, backend="flash")
     finally:
-        flash.QUERY_TILE, flash.KEY_TILE = old
+        flash_loop.QUERY_TILE, flash_loop.KEY_TILE = old
     torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-12)
 
 
@@ -470,7 +471,7 @@ def kernel() -> object:
     """The compiled kernel module; building it is part of the test environment's set-up."""
     if os.environ.get("QKV_FLASH_KERNEL") == "0":
         pytest.skip("QKV_FLASH_KERNEL=0 switches the compiled kernel off")
-    module = _flash_cpu.load()
+    module = flash_kernel.load()
     assert module is not None, "flash's compiled CPU kernel did not build (see the warning)"
     return module
 
@@ -479,20 +480,20 @@ def by_the_loop(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal_offset: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """flash.forward's PyTorch loop in float64."""
-    old, flash.COMPILED_KERNEL = flash.COMPILED_KERNEL, False
+    old, flash_kernel.ENABLED = flash_kernel.ENABLED, False
     try:
         return flash.forward(
             q.double(), k.double(), v.double(), scale=scale, causal_offset=causal_offset
         )
     finally:
-        flash.COMPILED_KERNEL = old
+        flash_kernel.ENABLED = old
 
 
 def compiled(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal_offset: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """flash.forward on the compiled kernel (failing if the call went to the loop)."""
-    result = flash._compiled_forward(q, k, v, scale, causal_offset)
+    result = flash_kernel.forward(q, k, v, scale, causal_offset)
     assert result is not None, "this call should run on the compiled kernel"
     return result
 
@@ -739,7 +740,7 @@ def test_calls_the_kernel_does_not_take_run_on_the_loop(
     kernel: object, monkeypatch: pytest.MonkeyPatch, why: str, call: object
 ) -> None:
     went_to_loop = []
-    monkeypatch.setattr(flash, "_Heads", _Recording(flash._Heads, went_to_loop))
+    monkeypatch.setattr(flash_loop, "_Heads", _Recording(flash_loop._Heads, went_to_loop))
     call(randn(1, 2, 32, 8, dtype=torch.float32))  # type: ignore[operator]
     assert went_to_loop, why
     went_to_loop.clear()
@@ -765,7 +766,7 @@ def test_kernel_decodes_from_a_cache_buffer_as_it_lies(
 
 
 class _Recording:
-    """Stands in for flash._Heads and notes each time the loop starts."""
+    """Stands in for flash_loop._Heads and notes each time the loop starts."""
 
     def __init__(self, heads: type, calls: list[int]) -> None:
         self.heads, self.calls = heads, calls

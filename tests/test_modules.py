@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from oracle import assert_close, oracle, require
 
 import qkv
-from qkv.backends import _flash_cpu, flash
+from qkv.backends.flash import kernel
 
 f64 = torch.float64
 
@@ -284,15 +284,15 @@ def test_cache_keeps_gradients_flowing():
 
 # --- decoding steps on flash's kernel ---------------------------------------------------------
 # A plain decoding step (float32/bfloat16 on the CPU, no mask, nothing to differentiate) runs as
-# one kernel call, flash.decode_step, which writes the cache and attends. It must give what the
-# general path gives (projection, KVCache.append, qkv.attention), bit for bit.
+# one kernel call, flash's kernel.decode_step, which writes the cache and attends. It must give
+# what the unfused path gives (the cache written first, then the kernel's attention), bit for bit.
 
 
 @pytest.fixture
 def kernel_on() -> None:
     if os.environ.get("QKV_FLASH_KERNEL") == "0":
         pytest.skip("QKV_FLASH_KERNEL=0 switches the compiled kernel off")
-    assert _flash_cpu.load() is not None, "flash's compiled CPU kernel did not build"
+    assert kernel.load() is not None, "flash's compiled CPU kernel did not build"
 
 
 def decode(
@@ -301,7 +301,7 @@ def decode(
     """x fed to the layer in chunks of ``sizes`` through one cache: the outputs, the cache and
     how many calls took the kernel's decoding step."""
     cache, outputs, end = qkv.KVCache(), [], 0
-    with mock.patch.object(flash, "decode_step", wraps=flash.decode_step) as step:
+    with mock.patch.object(kernel, "decode_step", wraps=kernel.decode_step) as step:
         for size in sizes:
             outputs.append(module(x[:, end : end + size], cache=cache, **kwargs))
             end += size
@@ -309,10 +309,9 @@ def decode(
 
 
 def general_path(module: qkv.SelfAttention, x: torch.Tensor, sizes: list[int], **kwargs: object):
-    """``decode`` with the kernel's decoding step off: an active trace records every call, so
-    each goes through projection, KVCache.append and qkv.attention (keeping no weights, so
-    "auto" picks the backend it would pick untraced)."""
-    with qkv.trace(keep="out"):
+    """``decode`` with the kernel's fused decoding step off: each step writes the cache, then
+    attends (on the same kernel, which reads the cache's buffers where they lie)."""
+    with mock.patch.object(kernel, "decode_step_takes", return_value=False):
         outputs, cache, steps = decode(module, x, sizes, **kwargs)
     assert steps == 0
     return outputs, cache
@@ -344,7 +343,7 @@ def test_decoding_steps_on_the_kernel_equal_the_general_path(
         outputs, cache, steps = decode(module, x, sizes)
         expected, expected_cache = general_path(module, x, sizes)
         in_float64, _, _ = decode(module.double(), x.double(), sizes)  # the general path
-    assert steps == len(sizes) - 1  # every call after the first, which fills the empty cache
+    assert steps == len(sizes)  # every call, the first (which fills the empty cache) included
     assert torch.equal(outputs, expected)
     assert torch.equal(cache.keys, expected_cache.keys)
     assert torch.equal(cache.values, expected_cache.values)
@@ -359,14 +358,14 @@ def test_decoding_steps_on_the_kernel_in_bfloat16(kernel_on):
     with torch.no_grad():
         outputs, cache, steps = decode(module, x, sizes)
         expected, expected_cache = general_path(module, x, sizes)
-    assert steps == len(sizes) - 1 and outputs.dtype == torch.bfloat16
+    assert steps == len(sizes) and outputs.dtype == torch.bfloat16
     assert torch.equal(outputs, expected)
     assert torch.equal(cache.keys, expected_cache.keys)
 
 
 @pytest.mark.parametrize(
     "why",
-    ["gradients", "dropout", "backend", "trace", "kernel off", "float64", "chunk of 16"],
+    ["gradients", "dropout", "backend", "kernel off", "float64", "chunk of 16"],
 )
 def test_decoding_steps_leave_the_kernel_when_they_must(kernel_on, why, monkeypatch):
     module = qkv.SelfAttention(8, 2, causal=True, dropout=0.5 if why == "dropout" else 0.0)
@@ -374,21 +373,30 @@ def test_decoding_steps_leave_the_kernel_when_they_must(kernel_on, why, monkeypa
     if why == "backend":
         module.backend = "sdpa"
     if why == "kernel off":
-        monkeypatch.setattr(flash, "COMPILED_KERNEL", False)
+        monkeypatch.setattr(kernel, "ENABLED", False)
     if why == "float64":
         module = module.double()
     x = torch.randn(1, 20, 8, dtype=module.out_proj.weight.dtype)
     sizes = [2, 16, 2] if why == "chunk of 16" else [2, 1, 1]
     with torch.set_grad_enabled(why == "gradients"):
-        if why == "trace":
-            with qkv.trace() as recorded:
-                outputs, _, steps = decode(module, x, sizes)
-            assert len(recorded.records) == len(sizes)
-        else:
-            outputs, _, steps = decode(module, x, sizes)
-    taken = {"chunk of 16": 1}.get(why, 0)  # the last chunk of 2 still takes it
+        outputs, _, steps = decode(module, x, sizes)
+    taken = {"chunk of 16": 2}.get(why, 0)  # the chunks of 2 still take it
     assert steps == taken
     assert outputs.requires_grad == (why == "gradients")
+
+
+def test_a_trace_observes_decoding_steps_without_moving_them_off_the_kernel(kernel_on):
+    module = qkv.SelfAttention(8, 2, causal=True).eval()
+    x = torch.randn(1, 6, 8)
+    with torch.no_grad():
+        untraced, _, _ = decode(module, x, [3, 1, 1, 1])
+        with qkv.trace() as recorded:
+            traced, _, steps = decode(module, x, [3, 1, 1, 1])
+    assert steps == 4 and len(recorded) == 4
+    assert torch.equal(traced, untraced)
+    last = recorded[-1]  # weights the trace computed itself, from the step's own q and k
+    assert last.weights.shape == (1, 2, 1, 6)
+    torch.testing.assert_close(last.weights @ last.v, last.out, atol=1e-6, rtol=1e-5)
 
 
 def test_a_decoding_step_under_autocast_meets_the_cache_check(kernel_on):

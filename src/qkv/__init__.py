@@ -3,9 +3,10 @@
 **Mask convention: True means "may attend"** (float masks are added to the scores).
 """
 
-from qkv.functional import attention
+from qkv.cache import KVCache
+from qkv.functional import attention, attention_with_cache
 from qkv.masks import causal_mask, padding_mask, sliding_window_mask
-from qkv.modules import KVCache, SelfAttention
+from qkv.modules import SelfAttention
 from qkv.multihead import MultiheadAttention
 from qkv.trace import trace
 
@@ -14,6 +15,7 @@ __all__ = [
     "MultiheadAttention",
     "SelfAttention",
     "attention",
+    "attention_with_cache",
     "causal_mask",
     "padding_mask",
     "sliding_window_mask",

@@ -43,7 +43,7 @@ from torch import nn
 
 import qkv
 from qkv.backends.base import Call
-from qkv.functional import _canonical_call
+from qkv.canonical import canonical_call
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PASSES = ("forward", "forward+backward")
@@ -641,7 +641,7 @@ AUTO_SCENARIOS: dict[str, tuple[int, int, int, int, int, int, str, dict[str, Any
 
 def auto_benchmark(repeats: int, scenarios: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Median time of each backend on each scenario (interleaved), the fastest, and what
-    ``qkv.backends.choose`` picks for it."""
+    ``qkv.backends.dispatch.choose`` picks for it."""
     rows = []
     names = ("reference", "sdpa", "flash")
     for title, scenario in _progress_items(scenarios or AUTO_SCENARIOS):
@@ -675,7 +675,7 @@ def auto_benchmark(repeats: int, scenarios: dict[str, Any] | None = None) -> lis
                 "scenario": title,
                 "ms": medians,
                 "fastest": min(medians, key=medians.__getitem__),
-                "auto": qkv.backends.choose(call),
+                "auto": qkv.backends.dispatch.choose(call),
             }
         )
     return rows
@@ -683,7 +683,7 @@ def auto_benchmark(repeats: int, scenarios: dict[str, Any] | None = None) -> lis
 
 def _call_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any]) -> Call:
     """The call ``qkv.attention(q, k, v, **kwargs)`` hands its backend (4-dim inputs)."""
-    call, _ = _canonical_call(
+    call, _ = canonical_call(
         q,
         k,
         v,
@@ -699,7 +699,7 @@ def _call_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str
 
 def _format_auto(rows: Sequence[dict[str, Any]]) -> str:
     header = f"{'scenario':<42} {'reference':>10} {'sdpa':>10} {'flash':>10}  fastest    auto"
-    lines = ["median ms per call; auto = qkv.backends.choose", header, "-" * len(header)]
+    lines = ["median ms per call; auto = qkv.backends.dispatch.choose", header, "-" * len(header)]
     for row in rows:
         ms = row["ms"]
         lines.append(

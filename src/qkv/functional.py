@@ -1,6 +1,7 @@
-"""``qkv.attention``: argument checks, mask and causal canonicalisation, dispatch to one backend.
+"""``qkv.attention`` and ``qkv.attention_with_cache``: the functional entry points.
 
-Data flows one way: inputs -> checks (here, once) -> a canonical ``Call`` -> one backend -> output.
+Data flows one way: inputs -> checks and canonicalisation (``canonical``, once) -> a ``Call`` ->
+one backend (``backends.dispatch``) -> output, which an active ``qkv.trace`` observes.
 
 Legend: B batch, H heads (Hq query heads, Hkv key/value heads), L/Lq query length,
 S/Lk key length, D features (Dk query/key, Dv value).
@@ -8,17 +9,15 @@ S/Lk key length, D features (Dk query/key, Dv value).
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from typing import Any, Literal, overload
+from typing import Literal, overload
 
 import torch
 
-from qkv import _checks, backends, masks
-from qkv.backends.base import Call
-from qkv.trace import current as current_recorder
-
-Causal = bool | Literal["bottom-right", "top-left"]
+from qkv import observers
+from qkv.backends import dispatch
+from qkv.backends.base import CacheWrite, Call
+from qkv.cache import KVCache
+from qkv.canonical import Causal, canonical_call
 
 
 @overload
@@ -96,7 +95,7 @@ def attention(
     A query with no key it may attend gives 0 output, 0 weights and 0 gradient (never NaN).
     float16/bfloat16 inputs are computed with float32 scores, softmax and sums.
     """
-    call, squeeze_head = _canonical_call(
+    call, squeeze_head = canonical_call(
         q,
         k,
         v,
@@ -110,40 +109,73 @@ def attention(
     return _run(call, backend, squeeze_head, return_weights)
 
 
-def attention_of_projections(
+def attention_with_cache(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cache: KVCache,
     *,
-    mask: torch.Tensor | None,
-    causal: Causal,
-    dropout_p: float,
-    return_weights: bool,
-    backend: str,
+    mask: torch.Tensor | None = None,
+    causal: Causal = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    backend: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``attention`` for an attention layer's own projections, which the layer has checked:
-    q (B, H, L, D) and k, v (B, Hkv, S, D) of one dtype and device with H a multiple of Hkv;
-    ``mask`` broadcastable to (B, H, L, S); ``causal``, ``dropout_p``, ``return_weights`` and
-    ``backend`` valid. Only the canonicalisation runs (a decoding step calls this once per layer
-    and token, where checking the layer's own tensors again would cost a tenth of the step)."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    call = _call(q, k, v, mask, causal, scale, dropout_p, return_weights)
-    return _run(call, backend, False, return_weights)
+    """Write this step's keys and values into ``cache`` and attend to everything cached.
+
+    Shapes::
+
+        q:      (B, Hq, L, Dk)      this step's L queries
+        k_new:  (B, Hkv, L, Dk)     this step's keys, appended to the cache's S
+        v_new:  (B, Hkv, L, Dv)
+        returns out: (B, Hq, L, Dv) [, weights: (B, Hq, L, S + L)]
+
+    The same as ``attention(q, keys, values, ...)`` over the cache's keys and values after the
+    write, with every argument meaning what it means there (``mask`` (True = may attend)
+    broadcasts to (B, Hq, L, S + L)). ``causal=True`` is bottom-right aligned, the alignment
+    decoding needs: query i is position S + i of the sequence and sees keys 0 … S + i::
+
+        cache S = 3, L = 2:   keys  0 1 2 | 3 4
+                      query 0       x x x | x .
+                      query 1       x x x | x x
+
+    So decoding token by token, or in chunks, gives the outputs of one full causal pass. The
+    backend may fuse the write into its attention (flash's kernel does, for a decoding step).
+    A call rejected for a bad argument leaves the cache unchanged.
+    """
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be a qkv.KVCache, got {type(cache).__name__}")
+    step = cache.prepare(k_new, v_new)
+    call, squeeze_head = canonical_call(
+        q,
+        step.keys,
+        step.values,
+        mask=mask,
+        causal=causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        return_weights=return_weights,
+        backend=backend,
+    )
+    result = _run(call, backend, squeeze_head, return_weights, step.write)
+    cache.commit(step)
+    return result
 
 
 def _run(
-    call: Call, backend: str, squeeze_head: bool, return_weights: bool
+    call: Call,
+    backend: str,
+    squeeze_head: bool,
+    return_weights: bool,
+    write: CacheWrite | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Run a canonical call on ``backend`` (recorded by an active ``qkv.trace()``); return the
-    output, and the weights if the caller asked for them."""
-    recorder = current_recorder()  # an active qkv.trace() records the call
-    if recorder is not None and recorder.wants_weights and not call.return_weights:
-        with_weights = dataclasses.replace(call, return_weights=True)
-        if backend == "auto" or backends.why_not(backend, with_weights) is None:
-            call = with_weights  # the weights recorded are the ones the output comes from
-    out, weights = backends.run(call, backend)
-    if recorder is not None:
-        recorder.record(call, out, weights)
+    """Run a canonical call on ``backend`` and tell an active observer (``qkv.trace``); return
+    the output, and the weights if the caller asked for them."""
+    out, weights = dispatch.run(call, backend, write)
+    observer = observers.current()
+    if observer is not None:
+        observer.record(call, out, weights)
     if squeeze_head:
         out = out.squeeze(-3)
         weights = None if weights is None else weights.squeeze(-3)
@@ -151,124 +183,3 @@ def _run(
         assert weights is not None
         return out, weights
     return out
-
-
-def _canonical_call(
-    q: Any,
-    k: Any,
-    v: Any,
-    *,
-    mask: Any,
-    causal: Any,
-    scale: Any,
-    dropout_p: Any,
-    return_weights: Any,
-    backend: Any,
-) -> tuple[Call, bool]:
-    """Check every argument and build the backend's ``Call``; True if a head dim was added."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _checks.tensor(name, x, min_ndim=2)
-        _checks.floating(name, x)
-    _checks.same_dtype(("q", "k", "v"), (q, k, v))
-    _checks.same_device(("q", "k", "v"), (q, k, v))
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"q and k must have the same feature size Dk (last dim), got q "
-            f"{_checks.shape_str(q.shape)} and k {_checks.shape_str(k.shape)}"
-        )
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(
-            f"k and v must have the same length Lk (dim -2), got k {_checks.shape_str(k.shape)}"
-            f" and v {_checks.shape_str(v.shape)}"
-        )
-    _checks.choice("causal", causal, masks.CAUSAL_VALUES)
-    _checks.choice("backend", backend, backends.NAMES)
-    _checks.boolean("return_weights", return_weights)
-    dropout_p = _checks.probability("dropout_p", dropout_p)
-    if scale is None and q.shape[-1] == 0:
-        raise ValueError(
-            f"the default scale 1/sqrt(Dk) needs Dk >= 1 features, got q "
-            f"{_checks.shape_str(q.shape)}; pass scale= explicitly"
-        )
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _checks.finite_float("scale", scale)
-
-    # A missing head dim: (*batch, L, D) is attention with one head.
-    squeeze_head = q.dim() == 2 and k.dim() == 2 and v.dim() == 2
-    if squeeze_head:
-        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    q, k, v, batch = _broadcast_heads(q, k, v)
-
-    if mask is not None:
-        scores_shape = (*batch, q.shape[-3], q.shape[-2], k.shape[-2])
-        target = scores_shape[1:] if squeeze_head else scores_shape
-        _checks.mask("mask", mask, target, "(*batch, Hq, Lq, Lk)")
-    return _call(q, k, v, mask, causal, scale, dropout_p, return_weights), squeeze_head
-
-
-def _call(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    causal: Causal,
-    scale: float,
-    dropout_p: float,
-    return_weights: bool,
-) -> Call:
-    """The canonical call of checked arguments: the causal rule as a diagonal offset (dropped
-    where it blocks nothing), a mask of at least 2 dims on q's device."""
-    lq, lk = q.shape[-2], k.shape[-2]
-    if mask is not None:
-        _checks.same_device(("q", "mask"), (q, mask))
-        if mask.dim() < 2:  # backends slice the (Lq, Lk) dims: a 0-d or (Lk,) mask gets both
-            mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
-    offset = masks.causal_offset(causal, lq, lk)
-    if offset is not None and offset >= lk - 1:
-        # Every query may attend every key (e.g. one new token against a KV cache): the rule
-        # blocks nothing, and backends run fastest without one.
-        offset = None
-    return Call(q, k, v, mask, offset, scale, dropout_p, return_weights)
-
-
-def _broadcast_heads(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]:
-    """Check batch and head dims; k and v get one shape (*batch, Hkv, Lk, ·) by broadcasting.
-    Also returns the broadcast batch shape of the call (all but the last three dims)."""
-    same_lead = k.shape[:-2] == v.shape[:-2] and q.shape[:-3] == k.shape[:-3]
-    if q.dim() >= 3 and k.dim() >= 3 and same_lead:
-        hq, hkv = q.shape[-3], k.shape[-3]
-        if hkv and hq % hkv == 0:  # the common case: nothing to broadcast
-            return q, k, v, tuple(q.shape[:-3])
-    kv_lead = _checks.broadcast_shape(k.shape[:-2], v.shape[:-2])
-    if kv_lead is None:
-        raise ValueError(
-            f"k and v leading (batch, head) dims must broadcast, got k {_checks.shape_str(k.shape)}"
-            f" and v {_checks.shape_str(v.shape)}"
-        )
-    if k.shape[:-2] != kv_lead:
-        k = k.expand(*kv_lead, *k.shape[-2:])
-    if v.shape[:-2] != kv_lead:
-        v = v.expand(*kv_lead, *v.shape[-2:])
-    if q.dim() < 3 or k.dim() < 3:
-        # One side has no head dim: it broadcasts like any batch dim.
-        q = q.unsqueeze(0) if q.dim() < 3 else q
-        k = k.unsqueeze(0) if k.dim() < 3 else k
-        v = v.unsqueeze(0) if v.dim() < 3 else v
-    hq, hkv = q.shape[-3], k.shape[-3]
-    if hq == 1 and hkv > 1:
-        q = q.expand(*q.shape[:-3], hkv, *q.shape[-2:])
-        hq = hkv
-    if (hq % hkv if hkv else hq) != 0:
-        raise ValueError(
-            f"q heads (dim -3) must equal or be a multiple of k/v heads, got q "
-            f"{_checks.shape_str(q.shape)} with {hq} heads and k {_checks.shape_str(k.shape)} "
-            f"with {hkv} heads"
-        )
-    batch = _checks.broadcast_shape(q.shape[:-3], k.shape[:-3])
-    if batch is None:
-        raise ValueError(
-            f"q and k batch dims (all but the last three) must broadcast, got q "
-            f"{_checks.shape_str(q.shape)} and k {_checks.shape_str(k.shape)}"
-        )
-    return q, k, v, batch

@@ -10,10 +10,13 @@ which module made it (qualified name and layer index), its inputs q, k, v, the s
 applied, the weights and the output, with every head kept. ``keep`` and ``layers`` limit what is
 stored, so that long inputs stay within memory.
 
-How it works: ``qkv.attention`` asks ``current()`` for the active recorder; when there is one it
-asks for weights (``wants_weights``) and hands over each call's canonical inputs, output and
-weights (``record``). While a trace is active, a global module pre/post forward hook keeps the stack
-of modules being run, which tells which module (and so which layer) made each call.
+How it works: a trace is the active observer (``qkv.observers``) inside its ``with`` block;
+``qkv.attention`` hands it each call's canonical inputs, output and weights (``record``) after
+the call ran, on whichever backend it would have run on anyway. Where the backend returned no
+weights (fused kernels never form them), the trace computes them from the same inputs with the
+reference backend, the formula itself. While a trace is active, a global module pre/post forward
+hook keeps the stack of modules being run, which tells which module (and so which layer) made
+each call.
 
 Legend: B batch, H heads (Hq query heads, Hkv key/value heads), Lq query length, Lk key length,
 D features.
@@ -25,31 +28,17 @@ import dataclasses
 import fnmatch
 import re
 from collections.abc import Iterable, Iterator
-from contextvars import ContextVar, Token
+from contextvars import Token
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from qkv import backends, masks
+from qkv import masks, observers
+from qkv.backends import dispatch
 from qkv.backends.base import Call
-
-
-class Recorder(Protocol):
-    wants_weights: bool
-
-    def record(self, call: Call, out: torch.Tensor, weights: torch.Tensor | None) -> None: ...
-
-
-_ACTIVE: ContextVar[Recorder | None] = ContextVar("qkv_trace", default=None)
-
-
-def current() -> Recorder | None:
-    """The recorder of the innermost active trace, or None."""
-    return _ACTIVE.get()
-
 
 #: What a trace can keep of each call (``keep=``): the attention module's input ``x``, the
 #: queries, keys and values, the weights and the output. The mask is always kept (it is small:
@@ -156,7 +145,7 @@ class Trace:
         self._order: dict[int, int] = {}  # id(module) -> order of its first call
         self._stack: list[tuple[nn.Module, torch.Tensor | None]] = []  # (module, its input)
         self._handles: list[RemovableHandle] = []
-        self._token: Token[Recorder | None] | None = None
+        self._token: Token[observers.Observer | None] | None = None
         if model is not None:
             self._names = {id(m): name for name, m in model.named_modules()}
 
@@ -169,7 +158,7 @@ class Trace:
             nn.modules.module.register_module_forward_pre_hook(self._enter_module),
             nn.modules.module.register_module_forward_hook(self._leave_module, always_call=True),
         ]
-        self._token = _ACTIVE.set(self)
+        self._token = observers.activate(self)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -178,11 +167,11 @@ class Trace:
         self._handles = []
         self._stack.clear()
         if self._token is not None:
-            _ACTIVE.reset(self._token)
+            observers.deactivate(self._token)
             self._token = None
 
     def _enter_module(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if _ACTIVE.get() is not self:  # hooks are global: ignore other threads and contexts
+        if observers.current() is not self:  # hooks are global: ignore other threads and contexts
             return
         if not self._stack and self.model is None and id(module) not in self._names:
             # The outermost module run names everything inside it.
@@ -191,17 +180,12 @@ class Trace:
         self._stack.append((module, first))
 
     def _leave_module(self, module: nn.Module, args: Any, output: Any) -> None:
-        if _ACTIVE.get() is not self:
+        if observers.current() is not self:
             return
         if self._stack and self._stack[-1][0] is module:
             self._stack.pop()
 
-    # --- the Recorder protocol -----------------------------------------------------------------
-
-    @property
-    def wants_weights(self) -> bool:
-        """True when the call about to be made will be kept and its weights are wanted."""
-        return "weights" in self.keep and self._selected(*self._caller()[1:3])
+    # --- the Observer protocol ------------------------------------------------------------------
 
     def record(self, call: Call, out: torch.Tensor, weights: torch.Tensor | None) -> None:
         """Store one call (``qkv.attention`` calls this for every call made inside the trace)."""
@@ -211,7 +195,7 @@ class Trace:
         if weights is None and "weights" in self.keep:
             # The backend could not return weights (e.g. a fused kernel was asked for by name):
             # compute them with the reference backend, the same formula.
-            _, weights = backends.run(
+            _, weights = dispatch.run(
                 dataclasses.replace(call, return_weights=True, dropout_p=0.0), "reference"
             )
         kept = {"x": x, "q": call.q, "k": call.k, "v": call.v, "weights": weights, "out": out}
@@ -286,11 +270,6 @@ class Trace:
             lines.append(f"  ... {len(self.records) - 20} more")
         return "\n".join(lines)
 
-    def _repr_html_(self) -> str:
-        from qkv import viz
-
-        return viz.view(self)._repr_html_()
-
 
 def trace(
     model: nn.Module | None = None,
@@ -307,8 +286,10 @@ def trace(
     ``keep``: ``"all"`` (x, q, k, v, weights, out), ``"weights"`` (weights only), or any of
     x, q, k, v, weights, out. The mask applied is always kept, and scores are computed from q and k.
 
-    When weights are kept, calls on ``backend="auto"`` run on a backend that returns them (the
-    reference backend), so the weights recorded are the ones the output was computed from.
+    Tracing never changes which backend runs a call or what it computes. Where that backend
+    returns no weights, the trace computes them from the call's q, k, mask and scale with the
+    reference backend (the formula), so the weights recorded equal those of the output's
+    computation within the dtype's rounding.
     """
     return Trace(model, layers=layers, keep=keep)
 

@@ -7,11 +7,25 @@ length, D features.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from qkv import _checks
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention computes in for inputs of ``dtype``: float16 and bfloat16 are widened to
+    float32 for the scores, softmax and sums (their 8- or 11-bit mantissas would round the
+    exponentials' sum and overflow float16's range); every other dtype computes as itself."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def default_scale(head_dim: int) -> float:
+    """1/√d_k: q·k sums d_k products, so its variance grows with d_k; dividing by √d_k keeps the
+    scores' spread the same for every head size, and the softmax from saturating to one-hot."""
+    return 1.0 / math.sqrt(head_dim)
 
 
 class Unsupported(ValueError):
@@ -60,4 +74,25 @@ class Call:
     @property
     def compute_dtype(self) -> torch.dtype:
         """float32 for float16/bfloat16 (scores, softmax and sums), otherwise the input dtype."""
-        return torch.float32 if self.q.dtype in (torch.float16, torch.bfloat16) else self.q.dtype
+        return compute_dtype(self.q.dtype)
+
+
+@dataclass(frozen=True)
+class CacheWrite:
+    """A KV cache step still to be written: ``k_new`` (B, Hkv, L, Dk) and ``v_new`` (B, Hkv, L, Dv)
+    go into the cache's buffers ``keys`` (B, Hkv, capacity, Dk) and ``values`` (B, Hkv,
+    capacity, Dv) at positions ``start`` … ``start + L − 1``. The call it comes with reads the
+    buffers' first ``start + L`` positions, so a backend writes first (``apply``) or fuses the
+    write into its attention."""
+
+    k_new: torch.Tensor
+    v_new: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    start: int
+
+    def apply(self) -> None:
+        """Copy the new keys and values into the buffers."""
+        added = self.k_new.shape[-2]
+        self.keys.narrow(-2, self.start, added).copy_(self.k_new)
+        self.values.narrow(-2, self.start, added).copy_(self.v_new)

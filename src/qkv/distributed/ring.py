@@ -49,9 +49,9 @@ from torch.autograd.function import once_differentiable
 
 from qkv import _checks, masks
 from qkv.backends import flash
+from qkv.canonical import Causal, canonical_call
 from qkv.distributed import layout as layouts
 from qkv.distributed._comm import Ring, Transfer
-from qkv.functional import Causal, _canonical_call
 
 
 def ring_attention(
@@ -101,7 +101,7 @@ def ring_attention(
     transfer fail at once with a ``RuntimeError`` naming it. After either error the process group
     is unusable: let the process exit (torchrun then stops the job).
     """
-    call, squeeze_head = _canonical_call(
+    call, squeeze_head = canonical_call(
         q,
         k,
         v,

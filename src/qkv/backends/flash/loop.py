@@ -1,4 +1,5 @@
-"""The flash backend: attention one tile at a time, never holding the (Lq, Lk) score matrix.
+"""The flash algorithm as a PyTorch loop: attention one tile at a time, never holding the
+(Lq, Lk) score matrix.
 
 The textbook computation ``softmax(Q Kᵀ · scale) V`` stores every score of a row before it can
 normalise them. The flash algorithm instead walks over the keys in tiles and keeps, for each
@@ -59,16 +60,9 @@ so its scores are the float32 ones too; its weights enter the product with the (
 rounded to bfloat16, which changes the output by less than one unit in its last place, and are
 computed with a cheaper 2^x (within 7.5e-5 relative, so lse is within about 1e-4).
 
-The compiled kernel: on CPUs, calls without a mask (causal or not, any batch and head layout,
-grouped heads, float32/float16/bfloat16) run the same forward recurrence compiled from
-``flash_cpu.cpp``, one query block of one head at a time in cache-sized buffers, with one fused
-exp/sum pass per key block (which also finds the block's maximum) and, for bfloat16, the CPU's
-bfloat16 matrix units with float32 sums (scores stay float32). Calls with fewer than
-``_KERNEL_BLOCK_QUERIES`` queries (decoding) take its other path: one query row at a time, K/V
-read where they lie, so a KV cache's buffer is never copied. The loop below is the
-specification both are tested against, and it runs everything else: masks, float64, other
-devices, the backward pass. See ``_flash_cpu`` for how it is built, and ``COMPILED_KERNEL`` to
-switch it off.
+The compiled kernel (``kernel.py``, ``flash_cpu.cpp``) runs the same forward recurrence for calls
+without a mask on CPUs; this loop is the specification it is tested against, and it runs
+everything else: masks, float64, other devices, the backward pass.
 
 Legend: B batch, H heads (Hq query, Hkv key/value), g = Hq / Hkv, N = B·Hkv, L/Lq query length,
 S/Lk key length, R rows of a tile (g · its queries), D features (Dk query/key, Dv value).
@@ -78,13 +72,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from qkv import _checks, masks
-from qkv.backends import _flash_cpu
-from qkv.backends.base import Call
+from qkv.backends.base import compute_dtype
 
 # Tile sizes: a (rows, keys) tile of scores for all heads of a call should stay in this machine's
 # caches while it is exponentiated and summed; measured on a 2-core x86 CPU (see
@@ -99,12 +91,6 @@ LN_2 = math.log(2.0)
 _COPY_KEYS_ROWS = 64
 
 _NEG_INF = float("-inf")
-
-# Run calls the compiled CPU kernel supports on it (False: always the PyTorch loop below).
-COMPILED_KERNEL = True
-# Calls with fewer queries than this (decoding) run on the kernel's one-row-at-a-time path,
-# which reads K/V where they lie (a KV cache's buffer) instead of rearranging them into blocks.
-_KERNEL_BLOCK_QUERIES = 16
 
 
 def forward(
@@ -127,9 +113,6 @@ def forward(
     input dtype) and ``lse`` (*B, Hq, Lq), the log-sum-exp of each row's scaled, masked scores
     (−inf for a row with no key; its out is 0). No autograd graph is built.
     """
-    compiled = _compiled_forward(q, k, v, scale, causal_offset) if mask is None else None
-    if compiled is not None:  # (the kernel's outputs are never part of a graph)
-        return compiled
     with torch.no_grad():
         heads = _Heads.of(q, k, v, scale)
         tiles = _Tiles(heads, mask, causal_offset)
@@ -168,54 +151,6 @@ def forward(
             lse2 = m.add_(l_sum.log2_())  # (N, R) lse in base 2
             torch.mul(lse2.view(tile), LN_2, out=lse[:, :, q0:q1])
         return heads.unflatten(out), heads.unflatten(lse)
-
-
-def kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether ``forward`` runs these inputs (given no mask) on the compiled CPU kernel: it is
-    switched on, the tensors are on the CPU in float32, float16 or bfloat16 and nothing is
-    empty, and the kernel is built (the first call that asks builds it)."""
-    return (
-        COMPILED_KERNEL  # the cheapest tests first: auto asks on every call
-        and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
-        and q.device.type == "cpu"
-        and 0 not in (q.numel(), k.numel(), v.numel())
-        and _flash_cpu.load() is not None
-    )
-
-
-def _compiled_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``forward`` (without a mask) on the compiled CPU kernel, or None where it does not apply
-    (``kernel_takes``)."""
-    if not kernel_takes(q, k, v):
-        return None
-    kernel = _flash_cpu.load()  # built and cached by kernel_takes
-    assert kernel is not None
-    causal = causal_offset is not None
-    if q.shape[-2] < _KERNEL_BLOCK_QUERIES:  # one row at a time, K/V read where they lie
-        if q.dtype != torch.float16 and q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
-            out, lse = kernel.decode(q, k, v, scale, causal, causal_offset or 0)
-            return out, lse  # the common case: (*B, Hq, Lq, Dv), (*B, Hq, Lq) as they come
-        dtype = torch.float32 if q.dtype == torch.float16 else q.dtype
-        q_flat, k_flat, v_flat, batch = _flat_heads(q, k, v, dtype)  # batch dims broadcast
-        out, lse = kernel.decode(
-            q_flat.flatten(0, 1), k_flat, v_flat, scale, causal, causal_offset or 0
-        )
-    else:
-        low = q.dtype == torch.bfloat16 and kernel.bfloat16_products()
-        dtype = torch.bfloat16 if low else torch.float32
-        q_flat, k_flat, v_flat, batch = _flat_heads(q, k, v, dtype)
-        out, lse = kernel.forward(
-            q_flat.flatten(0, 1).contiguous(),  # (N·g, Lq, Dk)
-            k_flat.contiguous(),
-            v_flat.contiguous(),
-            scale,
-            causal,
-            causal_offset or 0,
-        )
-    hq = q.shape[-3]
-    return out.view(*batch, hq, *out.shape[1:]), lse.view(*batch, hq, lse.shape[-1])
 
 
 def backward(
@@ -274,114 +209,6 @@ def backward(
         return dq, dk, dv
 
 
-# --- the backend entry points ------------------------------------------------------------------
-
-
-def decode_step_takes(x: torch.Tensor, length: int) -> bool:
-    """Whether ``decode_step`` runs a layer step of ``length`` new positions with inputs like
-    ``x``: few enough queries for the kernel's decoding path, not float16 (which that path
-    takes only after ``_compiled_forward`` widens it), and what ``kernel_takes`` asks of q, k
-    and v asked of x."""
-    return length < _KERNEL_BLOCK_QUERIES and x.dtype != torch.float16 and kernel_takes(x, x, x)
-
-
-def decode_step(
-    rows: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    start: int,
-    heads: int,
-    scale: float,
-    causal_offset: int | None,
-) -> torch.Tensor:
-    """An attention layer's decoding step in one call of the compiled kernel (where
-    ``decode_step_takes``): the same arithmetic as ``forward`` on the kernel, without the torch
-    operations that would split the projection, write the cache and join the heads.
-
-    ``rows`` (B, L, (H + 2·Hkv)·D) is the layer's fused projection of L new positions: H query
-    heads, then Hkv key heads, then Hkv value heads. ``keys`` and ``values`` (B, Hkv, capacity, D)
-    are a KV cache's buffers holding ``start`` positions, with room for L more. The new keys and
-    values are written at ``start`` … ``start + L − 1``; the queries attend to the first
-    ``start + L`` (``causal_offset`` as in ``forward``). Returns (B, L, H·D) in ``rows``' dtype.
-    """
-    kernel = _flash_cpu.load()
-    assert kernel is not None  # decode_step_takes said so
-    causal = causal_offset is not None
-    out: torch.Tensor = kernel.decode_step(
-        rows, keys, values, start, heads, scale, causal, causal_offset or 0
-    )
-    return out
-
-
-def why_not(call: Call) -> str | None:
-    if call.dropout_p > 0:
-        return (
-            "flash attention does not implement dropout; use dropout_p=0 (modules: eval mode) "
-            'or backend="reference" / "sdpa"'
-        )
-    if call.return_weights:
-        return (
-            "flash attention never forms the full weight matrix, so it cannot return weights; "
-            'use backend="reference"'
-        )
-    if call.mask is not None and call.mask.requires_grad:
-        return 'flash attention does not differentiate a float mask; use backend="reference"'
-    return None
-
-
-def attention(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if call.needs_gradients:  # (a float mask that needs them is refused by why_not)
-        out = _FlashAttention.apply(
-            call.q, call.k, call.v, call.mask, call.causal_offset, call.scale
-        )
-    else:
-        out, _ = forward(
-            call.q,
-            call.k,
-            call.v,
-            scale=call.scale,
-            causal_offset=call.causal_offset,
-            mask=call.mask,
-        )
-    return (out if out.dtype == call.q.dtype else out.to(call.q.dtype)), None
-
-
-class _FlashAttention(torch.autograd.Function):
-    """Saves q, k, v, out and lse only; the backward pass recomputes the tiles."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: torch.Tensor | None,
-        causal_offset: int | None,
-        scale: float,
-    ) -> torch.Tensor:
-        out, lse = forward(q, k, v, scale=scale, causal_offset=causal_offset, mask=mask)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mask, ctx.causal_offset, ctx.scale = mask, causal_offset, scale
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = backward(
-            q,
-            k,
-            v,
-            out,
-            grad_out,
-            lse,
-            scale=ctx.scale,
-            causal_offset=ctx.causal_offset,
-            mask=ctx.mask,
-        )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
-
-
 # --- layout and tiles ----------------------------------------------------------------------------
 
 
@@ -412,8 +239,7 @@ class _Heads:
     ) -> _Heads:
         """Flattened heads in the compute dtype."""
         hkv = k.shape[-3]
-        dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-        q, k, v, batch = _flat_heads(q, k, v, dtype)
+        q, k, v, batch = flat_heads(q, k, v, compute_dtype(q.dtype))
         q = q * (scale * LOG2_E)  # scores in base 2
         k_t = k.transpose(1, 2)  # (N, Dk, Lk)
         if q.shape[1] * q.shape[2] >= _COPY_KEYS_ROWS:  # g · Lq rows per key/value head
@@ -453,7 +279,7 @@ class _Heads:
         return x.reshape(*self.batch, self.hkv, *x.shape[1:])
 
 
-def _flat_heads(
+def flat_heads(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]:
     """q (N, g, Lq, Dk), k (N, Lk, Dk), v (N, Lk, Dv) in ``dtype`` and the batch dims (*B), for

@@ -664,30 +664,24 @@ std::vector<at::Tensor> decode(
   return result;
 }
 
-// One decoding step of an attention layer, from its fused projection. rows (B, L, (H + 2·Hkv)·D)
-// holds each new position's H query heads, then its Hkv key heads, then its Hkv value heads;
-// k_buf and v_buf (B, Hkv, capacity, D) are a KV cache's buffers, holding `start` positions. The
-// new keys and values are written at start … start+L−1, then the L queries attend to the first
-// start + L positions (decode_impl, reading the buffers in place). Returns (B, L, H·D) in rows'
-// dtype: the heads side by side, as the output projection takes them.
-at::Tensor decode_step(const at::Tensor& rows, const at::Tensor& k_buf, const at::Tensor& v_buf,
-                       int64_t start, int64_t heads, double scale, bool causal, int64_t offset) {
-  TORCH_CHECK(rows.dim() == 3 && k_buf.dim() == 4 && v_buf.dim() == 4, "rows 3-d, buffers 4-d");
-  TORCH_CHECK(k_buf.sizes() == v_buf.sizes(), "key and value buffers must have one shape");
-  const int64_t B = rows.size(0), L = rows.size(1), Hkv = k_buf.size(1), D = k_buf.size(3);
-  TORCH_CHECK(k_buf.size(0) == B && Hkv > 0 && heads % Hkv == 0, "heads must group");
-  TORCH_CHECK(rows.size(2) == (heads + 2 * Hkv) * D, "rows must hold (H + 2 Hkv) heads of D");
-  TORCH_CHECK(start >= 0 && start + L <= k_buf.size(2), "no room in the buffers");
-  TORCH_CHECK(rows.scalar_type() == k_buf.scalar_type() &&
-              k_buf.scalar_type() == v_buf.scalar_type(), "one dtype");
-  const at::Tensor split = rows.reshape({B, L, heads + 2 * Hkv, D}).transpose(1, 2);
-  k_buf.narrow(2, start, L).copy_(split.narrow(1, heads, Hkv));
-  v_buf.narrow(2, start, L).copy_(split.narrow(1, heads + Hkv, Hkv));
-  const at::Tensor q = split.narrow(1, 0, heads);  // (B, H, L, D)
+// One decoding step against a KV cache: k_new (B, Hkv, L, D) and v_new (B, Hkv, L, Dv) are written
+// into the cache's buffers k_buf (B, Hkv, capacity, D) and v_buf (B, Hkv, capacity, Dv) at
+// start … start+L−1, then q (B, H, L, D) attends to the first start + L positions (decode_impl,
+// reading the buffers in place). Returns out (B, H, L, Dv) in q's dtype.
+at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                       const at::Tensor& k_buf, const at::Tensor& v_buf, int64_t start,
+                       double scale, bool causal, int64_t offset) {
+  TORCH_CHECK(q.dim() == 4 && k_new.dim() == 4 && v_new.dim() == 4 && k_buf.dim() == 4 &&
+              v_buf.dim() == 4, "q, new keys/values and buffers must be 4-d");
+  const int64_t L = k_new.size(2);
+  TORCH_CHECK(start >= 0 && start + L <= k_buf.size(2) && k_buf.size(2) == v_buf.size(2),
+              "no room in the buffers");
+  k_buf.narrow(2, start, L).copy_(k_new);
+  v_buf.narrow(2, start, L).copy_(v_new);
   const int64_t S = start + L;
   const at::Tensor out =
       decode(q, k_buf.narrow(2, 0, S), v_buf.narrow(2, 0, S), scale, causal, offset)[0];
-  return out.transpose(1, 2).reshape({B, L, heads * D}).to(rows.scalar_type());
+  return out.to(q.scalar_type());
 }
 
 std::vector<at::Tensor> forward(
@@ -712,6 +706,6 @@ bool bfloat16_products() { return at::native::cpublas::could_pack(at::kBFloat16)
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("forward", &forward, "flash forward: (out, lse)");
   module.def("decode", &decode, "flash forward for a few queries, k and v strided: (out, lse)");
-  module.def("decode_step", &decode_step, "a layer's decoding step: write the cache, attend");
+  module.def("decode_step", &decode_step, "write new keys/values into a KV cache's buffers, attend");
   module.def("bfloat16_products", &bfloat16_products);
 }

@@ -1,0 +1,129 @@
+"""Dispatch: which backend runs a call, in one place.
+
+Every backend module answers one capability query, ``why_not(call) -> str | None`` (None: it can
+run the call; otherwise the reason, which names an alternative), and runs a call with
+``attention(call)``. A backend that can write a KV cache and attend in one step also has
+``attention_with_cache(call, write)``. ``backend="auto"`` picks, per call, by the rule in
+``choose``; its thresholds are named below, and ``qkv bench --auto`` measures every scenario
+they decide (the evidence is that benchmark's output, docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+from qkv.backends.base import CacheWrite, Call, Unsupported
+
+NAMES = ("auto", "reference", "flash", "sdpa")
+
+# A call under a mask or a causal rule with at most this many queries, or at most 1/FEW_QUERIES_
+# PER_KEY of its keys (prefilling a chunk against a KV cache), goes to flash: torch's kernel needs
+# such a rule as an explicit mask, which costs it more than flash's tiles.
+FEW_QUERIES = 64
+FEW_QUERIES_PER_KEY = 8
+# With no mask and no causal rule, flash's compiled kernel is faster than torch's fused kernel
+# for decoding (fewer than DECODING_QUERIES queries), and otherwise only from KERNEL_MIN_SCORES
+# scores (B·Hq·Lq·Lk) up and, except in bfloat16, with whole query blocks (KERNEL_MIN_QUERIES).
+DECODING_QUERIES = 16
+KERNEL_MIN_SCORES = 2**20
+KERNEL_MIN_QUERIES = 128
+
+_MODULES: dict[str, ModuleType] = {}
+
+
+def backend(name: str) -> ModuleType:
+    """The backend module ``name`` ("reference", "flash" or "sdpa"), imported on first use."""
+    if name not in _MODULES:
+        _MODULES[name] = importlib.import_module(f"qkv.backends.{name}")
+    return _MODULES[name]
+
+
+def why_not(name: str, call: Call) -> str | None:
+    """Why backend ``name`` cannot run ``call`` (None if it can)."""
+    try:
+        module = backend(name)
+    except ModuleNotFoundError:
+        return f'backend "{name}" is not available in this installation'
+    reason: str | None = module.why_not(call)
+    return reason
+
+
+def preference(call: Call) -> tuple[str, ...]:
+    """The backends ``"auto"`` tries for ``call``, fastest first.
+
+    - flash first for few queries under a mask or a non-top-left causal rule (see
+      ``FEW_QUERIES``), and for forward passes without a mask that flash's compiled kernel runs
+      where it is the faster kernel (causal calls, decoding, large calls; see
+      ``_kernel_is_faster``). A call that needs gradients goes to sdpa: flash's backward is its
+      PyTorch loop, slower than torch's.
+    - sdpa first for everything else (masks over many queries, float64, training).
+    - The others follow as fallbacks: flash for empty sequences and NaN/Inf under a mask (which
+      sdpa refuses), sdpa for dropout (which flash refuses), reference, the only backend that
+      returns weights.
+    """
+    lq, lk = call.q.shape[-2], call.k.shape[-2]
+    masked = call.mask is not None or call.causal_offset not in (None, 0)
+    few_queries = masked and (lq <= FEW_QUERIES or FEW_QUERIES_PER_KEY * lq <= lk)
+    on_kernel = (
+        call.mask is None
+        and not call.needs_gradients
+        and (call.causal_offset is not None or _kernel_is_faster(call))
+        and backend("flash").runs_compiled(call)
+    )
+    if few_queries or on_kernel:
+        return ("flash", "sdpa", "reference")
+    return ("sdpa", "flash", "reference")
+
+
+def _kernel_is_faster(call: Call) -> bool:
+    """For a call with no mask and no causal rule: whether flash's compiled kernel beats torch's
+    fused kernel (decoding; or big enough for the kernel's query blocks to pay off)."""
+    lq, lk = call.q.shape[-2], call.k.shape[-2]
+    if lq < DECODING_QUERIES:
+        return True
+    scores = call.q.numel() // max(1, call.q.shape[-1]) * lk
+    return scores >= KERNEL_MIN_SCORES and (
+        lq >= KERNEL_MIN_QUERIES or call.q.dtype == torch.bfloat16
+    )
+
+
+def choose(call: Call) -> str:
+    """The backend ``"auto"`` runs ``call`` on: the first of ``preference(call)`` that can."""
+    reasons = []
+    for name in preference(call):
+        reason = why_not(name, call)
+        if reason is None:
+            return name
+        reasons.append(f"{name}: {reason}")
+    raise Unsupported("no backend can run this call (" + "; ".join(reasons) + ")")
+
+
+def resolve(call: Call, name: str) -> str:
+    """The backend that runs ``call`` when ``name`` is asked for (checked: it can)."""
+    if name == "auto":
+        return choose(call)
+    reason = why_not(name, call)
+    if reason is not None:
+        raise Unsupported(f'backend="{name}" cannot run this call: {reason}')
+    return name
+
+
+def run(
+    call: Call, name: str, write: CacheWrite | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run ``call`` on backend ``name`` ("auto": ``choose``); (out, weights or None).
+
+    ``write``: a KV cache step's new keys and values, which ``call``'s k and v end with; the
+    backend writes them into the cache and attends, in one step where it can."""
+    module = backend(resolve(call, name))
+    if write is None:
+        result: tuple[torch.Tensor, torch.Tensor | None] = module.attention(call)
+    elif hasattr(module, "attention_with_cache"):
+        result = module.attention_with_cache(call, write)
+    else:
+        write.apply()
+        result = module.attention(call)
+    return result
