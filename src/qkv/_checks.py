@@ -117,7 +117,8 @@ def mask(name: str, x: Any, target: Sequence[int], target_desc: str) -> torch.Te
             f"{x.dtype}; convert 0/1 masks with {name}.bool()"
         )
     broadcastable(name, x.shape, target, target_desc)
-    return x
+    checked: torch.Tensor = x
+    return checked
 
 
 def broadcast_shape(*shapes: Sequence[int]) -> tuple[int, ...] | None:

@@ -174,7 +174,9 @@ class SelfAttention(nn.Module):
             if self.kv_proj is not None
             else _rows(self.qkv_proj, context, q_size, q_size + 2 * kv_size)
         )
-        k, v = _split_heads(kv, 2 * self.kv_heads).split(self.kv_heads, dim=1)  # (B, Hkv, S, D)
+        k, v = torch.split(
+            _split_heads(kv, 2 * self.kv_heads), self.kv_heads, dim=1
+        )  # (B, Hkv, S, D)
         return q, k, v, cache is not None
 
     def _check_inputs(self, x: Any, context: Any) -> bool:
@@ -214,7 +216,7 @@ class SelfAttention(nn.Module):
                     f"{name} must have the layer's dtype {weight.dtype}, got {tensor.dtype}"
                 )
             _checks.same_device((name, "layer weights"), (tensor, weight))
-        return x.dim() == 2
+        return bool(x.dim() == 2)
 
     @staticmethod
     def _padding_mask(padding_mask: Any, batch: int, keys: int) -> torch.Tensor:

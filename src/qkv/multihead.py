@@ -62,7 +62,6 @@ class MultiheadAttention(nn.Module):
                 f"embed_dim must be divisible by num_heads, got embed_dim={embed_dim} and "
                 f"num_heads={num_heads}"
             )
-        factory = {"device": device, "dtype": dtype}
         self.embed_dim = embed_dim
         self.kdim = embed_dim if kdim is None else _checks.positive_int("kdim", kdim)
         self.vdim = embed_dim if vdim is None else _checks.positive_int("vdim", vdim)
@@ -75,25 +74,34 @@ class MultiheadAttention(nn.Module):
         # Parameters are created (and initialised, in _reset_parameters) in torch's order, so a
         # seed gives the same initial weights as torch.nn.MultiheadAttention.
         if self._qkv_same_embed_dim:
-            self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, **factory))
+            self.in_proj_weight = nn.Parameter(
+                torch.empty(3 * embed_dim, embed_dim, device=device, dtype=dtype)
+            )
             self.register_parameter("q_proj_weight", None)
             self.register_parameter("k_proj_weight", None)
             self.register_parameter("v_proj_weight", None)
         else:
-            self.q_proj_weight = nn.Parameter(torch.empty(embed_dim, embed_dim, **factory))
-            self.k_proj_weight = nn.Parameter(torch.empty(embed_dim, self.kdim, **factory))
-            self.v_proj_weight = nn.Parameter(torch.empty(embed_dim, self.vdim, **factory))
+            self.q_proj_weight = nn.Parameter(
+                torch.empty(embed_dim, embed_dim, device=device, dtype=dtype)
+            )
+            self.k_proj_weight = nn.Parameter(
+                torch.empty(embed_dim, self.kdim, device=device, dtype=dtype)
+            )
+            self.v_proj_weight = nn.Parameter(
+                torch.empty(embed_dim, self.vdim, device=device, dtype=dtype)
+            )
             self.register_parameter("in_proj_weight", None)
         if bias:
-            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **factory))
+            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, device=device, dtype=dtype))
         else:
             self.register_parameter("in_proj_bias", None)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, device=device, dtype=dtype)
         if add_bias_kv:
-            self.bias_k = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
-            self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+            self.bias_k = nn.Parameter(torch.empty(1, 1, embed_dim, device=device, dtype=dtype))
+            self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, device=device, dtype=dtype))
         else:
-            self.bias_k = self.bias_v = None
+            self.register_parameter("bias_k", None)
+            self.register_parameter("bias_v", None)
         self.add_zero_attn = _checks.boolean("add_zero_attn", add_zero_attn)
         self._reset_parameters()
 
@@ -189,7 +197,7 @@ class MultiheadAttention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             return_weights=need_weights,
         )
-        out, weights = result if need_weights else (result, None)
+        out, weights = result if isinstance(result, tuple) else (result, None)
         out = out.transpose(1, 2).reshape(b, lq, self.embed_dim)  # (B, L, E)
         out = self.out_proj(out)
         if weights is not None and average_attn_weights:
@@ -256,13 +264,13 @@ class MultiheadAttention(nn.Module):
             keep = ~padding if padding.dtype == torch.bool else padding
         if attn_mask is not None:
             if attn_mask.dim() == 2:
-                expected: tuple[int, ...] = (lq, s)
+                shape: tuple[int, ...] = (lq, s)
             else:
-                expected = (b * self.num_heads, lq, s) if batched else (self.num_heads, lq, s)
+                shape = (b * self.num_heads, lq, s) if batched else (self.num_heads, lq, s)
             _check_mask(
                 "attn_mask",
                 attn_mask,
-                expected,
+                shape,
                 "(L, S) or (B * num_heads, L, S)",
                 "(L, S) or (num_heads, L, S)",
                 batched,
@@ -288,7 +296,7 @@ class MultiheadAttention(nn.Module):
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         """(B, S, E) -> (B, H, S, D)."""
-        return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+        return x.view(*x.shape[:-1], self.num_heads, self.head_dim).transpose(1, 2)
 
 
 def _check_mask(

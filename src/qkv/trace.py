@@ -38,7 +38,7 @@ from torch.utils.hooks import RemovableHandle
 
 from qkv import masks, observers
 from qkv.backends import dispatch
-from qkv.backends.base import Call
+from qkv.backends.base import Call, compute_dtype
 
 #: What a trace can keep of each call (``keep=``): the attention module's input ``x``, the
 #: queries, keys and values, the weights and the output. The mask is always kept (it is small:
@@ -100,14 +100,14 @@ class AttentionRecord:
                     "scores need q and k, which this trace did not keep; trace with keep='all' "
                     "(or keep=('q', 'k', ...))"
                 )
-            dtype = torch.float64 if self.q.dtype == torch.float64 else torch.float32
+            dtype = compute_dtype(self.q.dtype)
             k = self.k.to(dtype).repeat_interleave(self.groups, dim=-3)  # (*batch, Hq, Lk, Dk)
             scores = (self.q.to(dtype) @ k.transpose(-2, -1)) * self.scale
             bias = masks.tile_bias(self.call_mask, 0, self.shape[-2], 0, self.shape[-1])
             self._cache["scores"] = scores if bias is None else scores + bias.to(dtype)
-        scores = self._cache["scores"]
-        assert scores is not None
-        return scores
+        cached = self._cache["scores"]
+        assert cached is not None
+        return cached
 
     def __repr__(self) -> str:
         kept = ", ".join(
@@ -193,12 +193,11 @@ class Trace:
         if not self._selected(name, layer):
             return
         if weights is None and "weights" in self.keep:
-            # The backend could not return weights (e.g. a fused kernel was asked for by name):
-            # compute them with the reference backend, the same formula.
+            # The backend returned none (fused kernels never form them): compute them from the
+            # same call with the reference backend, the formula itself.
             _, weights = dispatch.run(
                 dataclasses.replace(call, return_weights=True, dropout_p=0.0), "reference"
             )
-        kept = {"x": x, "q": call.q, "k": call.k, "v": call.v, "weights": weights, "out": out}
         self.records.append(
             AttentionRecord(
                 index=len(self.records),
@@ -210,13 +209,18 @@ class Trace:
                 call_mask=None if call.mask is None else call.mask.detach(),
                 shape=call.scores_shape,
                 groups=call.groups,
-                **{
-                    key: value.detach()
-                    for key, value in kept.items()
-                    if key in self.keep and value is not None
-                },
+                x=self._kept("x", x),
+                q=self._kept("q", call.q),
+                k=self._kept("k", call.k),
+                v=self._kept("v", call.v),
+                weights=self._kept("weights", weights),
+                out=self._kept("out", out),
             )
         )
+
+    def _kept(self, field_name: str, value: torch.Tensor | None) -> torch.Tensor | None:
+        """``value`` detached if the trace keeps ``field_name``, else None."""
+        return None if field_name not in self.keep or value is None else value.detach()
 
     def _caller(self) -> tuple[nn.Module | None, str, int | None, torch.Tensor | None]:
         """(module, qualified name, layer index, module input) of the innermost running module."""

@@ -70,7 +70,7 @@ class Transfer:
         self,
         ring: Ring,
         ops: list[dist.P2POp],
-        works: list,
+        works: list[dist.Work],
         received: list[torch.Tensor],
         what: str,
     ) -> None:

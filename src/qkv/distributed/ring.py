@@ -126,14 +126,17 @@ def ring_attention(
     key_mask = _check_padding_mask(padding_mask, call.q, call.scores_shape, squeeze_head)
 
     # One batch shape for all: the blocks that travel and their gradients then have fixed shapes.
-    batch = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3])
+    batch = _checks.broadcast_shape(q.shape[:-3], k.shape[:-3])
+    assert batch is not None  # checked by canonical_call
     q = q.expand(*batch, *q.shape[-3:])  # (*B, Hq, L, Dk)
     k = k.expand(*batch, *k.shape[-3:])  # (*B, Hkv, S, Dk)
     v = v.expand(*batch, *v.shape[-3:])  # (*B, Hkv, S, Dv)
     plan = _Plan(
         ring, layout, call.scale, masks.causal_offset(causal, ring.size * lq, ring.size * lk)
     )
-    out = _RingAttention.apply(q, k, v, key_mask, plan)  # (*B, Hq, L, Dv)
+    out: torch.Tensor = _RingAttention.apply(  # type: ignore[no-untyped-call]
+        q, k, v, key_mask, plan
+    )  # (*B, Hq, L, Dv)
     return out.squeeze(-3) if squeeze_head else out
 
 
@@ -405,7 +408,7 @@ def _ring_backward(
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -481,4 +484,5 @@ def _check_padding_mask(
             f"shape {_checks.shape_str(mask.shape)}"
         )
     _checks.broadcastable("padding_mask", mask.shape, target, "(*batch, Hq, 1, S)")
-    return mask.reshape((1,) * (len(scores_shape) - mask.dim()) + tuple(mask.shape))
+    keep: torch.Tensor = mask.reshape((1,) * (len(scores_shape) - mask.dim()) + tuple(mask.shape))
+    return keep

@@ -76,7 +76,7 @@ def why_not(call: Call) -> str | None:
 def attention(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run a checked call: (out in q's dtype, None)."""
     if call.needs_gradients:  # (a float mask that needs them is refused by why_not)
-        out = _FlashAttention.apply(
+        out: torch.Tensor = _FlashAttention.apply(  # type: ignore[no-untyped-call]
             call.q, call.k, call.v, call.mask, call.causal_offset, call.scale
         )
     else:

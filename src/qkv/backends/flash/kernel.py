@@ -55,12 +55,13 @@ def _build() -> ModuleType | None:
 
         if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-        return cpp_extension.load(
+        module: ModuleType = cpp_extension.load(
             name=f"qkv_flash_cpu_{_cpu_id()}",
             sources=[str(_SOURCE)],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
         )
+        return module
     except Exception as error:  # no compiler, no ninja, a failed build: the loop still works
         warnings.warn(
             f"qkv: flash's compiled CPU kernel is unavailable ({type(error).__name__}: {error}); "

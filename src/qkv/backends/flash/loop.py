@@ -352,6 +352,7 @@ class _Tiles:
             if keep is not None:
                 per_head.masked_fill_(keep.logical_not(), _NEG_INF)
         else:  # only the columns that reach above the diagonal need the causal mask
+            assert offset is not None  # (no mask and no offset returned above)
             first = max(0, q0 + offset + 1 - k0)  # columns before it are seen by every query
             per_head[..., first:].masked_fill_(self._blocked(q0, q1, k0 + first, k1), _NEG_INF)
         return scores
