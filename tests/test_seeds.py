@@ -496,12 +496,15 @@ def test_example_002_causal_heatmap(capsys: pytest.CaptureFixture[str], tmp_path
 
 def test_example_003_three_levels(capsys: pytest.CaptureFixture[str]) -> None:
     out = _run_example("seed_003_three_levels.py", capsys)
-    assert _value(out, "max |V2 - V1| =") == 0.0
+    # The fused matmul may block its sums differently from three separate ones (CPU-dependent):
+    # the two agree to float32 rounding, not bit for bit.
+    assert _value(out, "max |V2 - V1| =") <= 16 * torch.finfo(torch.float32).eps
     assert _value(out, "eval mode:  two calls differ by") == 0.0
     assert _value(out, "train mode: two calls differ by") > 0.0
     padded, empty = out.split("sentence 2 is all padding")
     right = _numbers(padded, "fill -inf:")
-    assert _numbers(padded, "qkv:") == right and right[2:] == [0.0, 0.0]
+    printed = 1e-4  # the example prints 4 decimals
+    assert _numbers(padded, "qkv:") == pytest.approx(right, abs=printed) and right[2:] == [0, 0]
     assert sum(_numbers(padded, "fill 1e-20:")[2:]) > 0.1  # 1e-20 leaves weight on padding
     assert _numbers(empty, "fill 1e-20:") == [0.25] * 4
     assert all(math.isnan(x) for x in _numbers(empty, "fill -inf:"))
@@ -514,7 +517,7 @@ def test_example_004_single_token(capsys: pytest.CaptureFixture[str]) -> None:
     step = _numbers(out, "weights = softmax(scores * scale) =")
     expected = torch.softmax(torch.tensor(scores, dtype=F64) / math.sqrt(3), dim=-1)
     assert step == pytest.approx(expected.tolist(), abs=2e-4)  # 1/sqrt(d_k), d_k = 3
-    assert _numbers(out, "qkv.attention(q[None], K, V) -> weights") == step
+    assert _numbers(out, "qkv.attention(q[None], K, V) -> weights") == pytest.approx(step, abs=1e-4)
     assert "row 2 equals the step-by-step context: True" in out
     wrong = _numbers(out, "weights, 1/sqrt(d_in = 4):")
     assert wrong != step

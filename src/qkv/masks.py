@@ -102,7 +102,9 @@ def padding_mask(x: torch.Tensor, length: int | None = None) -> torch.Tensor:
     length = _checks.non_negative_int("length", length)
     if x.numel() and (int(x.min()) < 0 or int(x.max()) > length):
         raise ValueError(
-            f"x lengths must lie in [0, {length}], got min {int(x.min())}, max {int(x.max())}"
+            f"x lengths must lie in [0, length] = [0, {length}] (length={length} is the padded "
+            f"length L), got min {int(x.min())}, max {int(x.max())}; pass length >= "
+            f"{int(x.max())}"
         )
     positions = torch.arange(length, device=x.device)
     return (positions[None, :] < x[:, None])[:, None, None, :]

@@ -71,39 +71,57 @@ class MultiheadAttention(nn.Module):
         self.batch_first = _checks.boolean("batch_first", batch_first)
         self.head_dim = embed_dim // num_heads
 
+        self._make_parameters(bias, add_bias_kv, device, dtype)
+        self.add_zero_attn = _checks.boolean("add_zero_attn", add_zero_attn)
+        self._reset_parameters()
+
+    def _make_parameters(
+        self,
+        bias: bool,
+        add_bias_kv: bool,
+        device: torch.device | str | None,
+        dtype: torch.dtype | None,
+    ) -> None:
+        """Projection parameters and the optional learned key/value."""
         # Parameters are created (and initialised, in _reset_parameters) in torch's order, so a
         # seed gives the same initial weights as torch.nn.MultiheadAttention.
         if self._qkv_same_embed_dim:
             self.in_proj_weight = nn.Parameter(
-                torch.empty(3 * embed_dim, embed_dim, device=device, dtype=dtype)
+                torch.empty(3 * self.embed_dim, self.embed_dim, device=device, dtype=dtype)
             )
             self.register_parameter("q_proj_weight", None)
             self.register_parameter("k_proj_weight", None)
             self.register_parameter("v_proj_weight", None)
         else:
             self.q_proj_weight = nn.Parameter(
-                torch.empty(embed_dim, embed_dim, device=device, dtype=dtype)
+                torch.empty(self.embed_dim, self.embed_dim, device=device, dtype=dtype)
             )
             self.k_proj_weight = nn.Parameter(
-                torch.empty(embed_dim, self.kdim, device=device, dtype=dtype)
+                torch.empty(self.embed_dim, self.kdim, device=device, dtype=dtype)
             )
             self.v_proj_weight = nn.Parameter(
-                torch.empty(embed_dim, self.vdim, device=device, dtype=dtype)
+                torch.empty(self.embed_dim, self.vdim, device=device, dtype=dtype)
             )
             self.register_parameter("in_proj_weight", None)
         if bias:
-            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, device=device, dtype=dtype))
+            self.in_proj_bias = nn.Parameter(
+                torch.empty(3 * self.embed_dim, device=device, dtype=dtype)
+            )
         else:
             self.register_parameter("in_proj_bias", None)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, device=device, dtype=dtype)
+        self.out_proj = nn.Linear(
+            self.embed_dim, self.embed_dim, bias=bias, device=device, dtype=dtype
+        )
         if add_bias_kv:
-            self.bias_k = nn.Parameter(torch.empty(1, 1, embed_dim, device=device, dtype=dtype))
-            self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, device=device, dtype=dtype))
+            self.bias_k = nn.Parameter(
+                torch.empty(1, 1, self.embed_dim, device=device, dtype=dtype)
+            )
+            self.bias_v = nn.Parameter(
+                torch.empty(1, 1, self.embed_dim, device=device, dtype=dtype)
+            )
         else:
             self.register_parameter("bias_k", None)
             self.register_parameter("bias_v", None)
-        self.add_zero_attn = _checks.boolean("add_zero_attn", add_zero_attn)
-        self._reset_parameters()
 
     def _reset_parameters(self) -> None:
         """torch's initialisation: Xavier-uniform weights, zero biases, Xavier-normal bias_k/v."""
@@ -177,14 +195,7 @@ class MultiheadAttention(nn.Module):
         if use_causal_rule:
             keep = None
 
-        q, k, v = self._project(query, key, value)  # (B, L, E), (B, S, E), (B, S, E)
-        if self.bias_k is not None and self.bias_v is not None:
-            k = torch.cat([k, self.bias_k.expand(b, 1, -1)], dim=1)  # (B, S+1, E)
-            v = torch.cat([v, self.bias_v.expand(b, 1, -1)], dim=1)
-        q, k, v = (self._split_heads(x) for x in (q, k, v))  # (B, H, ·, D)
-        if self.add_zero_attn:
-            k = torch.cat([k, k.new_zeros(b, self.num_heads, 1, self.head_dim)], dim=2)
-            v = torch.cat([v, v.new_zeros(b, self.num_heads, 1, self.head_dim)], dim=2)
+        q, k, v = self._heads(query, key, value)  # (B, H, L, D), (B, H, S', D) x 2
         if keep is not None and k.shape[2] > s:
             keep = _allow_extra_keys(keep, k.shape[2] - s)
 
@@ -208,6 +219,22 @@ class MultiheadAttention(nn.Module):
         elif not self.batch_first:
             out = out.transpose(0, 1)  # (L, B, E)
         return out, weights
+
+    def _heads(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projected, split into heads: (B, H, L, D) and (B, H, S', D) x 2, S' counting the
+        keys ``add_bias_kv`` and ``add_zero_attn`` append."""
+        b = query.shape[0]
+        q, k, v = self._project(query, key, value)  # (B, L, E), (B, S, E), (B, S, E)
+        if self.bias_k is not None and self.bias_v is not None:
+            k = torch.cat([k, self.bias_k.expand(b, 1, -1)], dim=1)  # (B, S+1, E)
+            v = torch.cat([v, self.bias_v.expand(b, 1, -1)], dim=1)
+        q, k, v = (self._split_heads(x) for x in (q, k, v))  # (B, H, ·, D)
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(b, self.num_heads, 1, self.head_dim)], dim=2)
+            v = torch.cat([v, v.new_zeros(b, self.num_heads, 1, self.head_dim)], dim=2)
+        return q, k, v
 
     def _check_inputs(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
         """Check the shapes of query, key and value; True when they are batched."""
