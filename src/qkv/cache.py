@@ -22,7 +22,7 @@ from qkv import _checks
 from qkv.backends.base import CacheWrite
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class CacheStep:
     """One step prepared by ``KVCache.prepare``: ``keys`` (B, Hkv, S + L, Dk) and ``values``
     (B, Hkv, S + L, Dv) are what the step attends to. ``write`` is the copy of the new keys and

@@ -35,21 +35,7 @@ def canonical_call(
     backend: Any,
 ) -> tuple[Call, bool]:
     """Check every argument and build the backend's ``Call``; True if a head dim was added."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _checks.tensor(name, x, min_ndim=2)
-        _checks.floating(name, x)
-    _checks.same_dtype(("q", "k", "v"), (q, k, v))
-    _checks.same_device(("q", "k", "v"), (q, k, v))
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"q and k must have the same feature size Dk (last dim), got q "
-            f"{_checks.shape_str(q.shape)} and k {_checks.shape_str(k.shape)}"
-        )
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(
-            f"k and v must have the same length Lk (dim -2), got k {_checks.shape_str(k.shape)}"
-            f" and v {_checks.shape_str(v.shape)}"
-        )
+    _check_tensors(q, k, v)
     _checks.choice("causal", causal, masks.CAUSAL_VALUES)
     _checks.choice("backend", backend, NAMES)
     _checks.boolean("return_weights", return_weights)
@@ -72,6 +58,35 @@ def canonical_call(
         target = scores_shape[1:] if squeeze_head else scores_shape
         _checks.mask("mask", mask, target, "(*batch, Hq, Lq, Lk)")
     return make_call(q, k, v, mask, causal, scale, dropout_p, return_weights), squeeze_head
+
+
+def _check_tensors(q: Any, k: Any, v: Any) -> None:
+    """q, k, v: floating tensors of >= 2 dims, one dtype and device, agreeing in Dk and Lk."""
+    plain = (  # the common case, tested at once (a decoding step comes here once per layer)
+        isinstance(q, torch.Tensor)
+        and isinstance(k, torch.Tensor)
+        and isinstance(v, torch.Tensor)
+        and q.dtype in _checks.FLOAT_DTYPES
+        and q.dtype == k.dtype == v.dtype
+        and q.device == k.device == v.device
+        and min(q.dim(), k.dim(), v.dim()) >= 2
+    )
+    if not plain:  # say what is wrong
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            _checks.tensor(name, x, min_ndim=2)
+            _checks.floating(name, x)
+        _checks.same_dtype(("q", "k", "v"), (q, k, v))
+        _checks.same_device(("q", "k", "v"), (q, k, v))
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q and k must have the same feature size Dk (last dim), got q "
+            f"{_checks.shape_str(q.shape)} and k {_checks.shape_str(k.shape)}"
+        )
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            f"k and v must have the same length Lk (dim -2), got k {_checks.shape_str(k.shape)}"
+            f" and v {_checks.shape_str(v.shape)}"
+        )
 
 
 def make_call(

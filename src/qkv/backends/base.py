@@ -32,7 +32,7 @@ class Unsupported(ValueError):
     """A backend cannot do this combination of arguments (the message says why and what to use)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: built once per call, on every decoding step
 class Call:
     q: torch.Tensor  # (*batch, Hq, Lq, Dk)  -- at least 3 dims: a head dim is added if absent
     k: torch.Tensor  # (*batch, Hkv, Lk, Dk)
@@ -77,7 +77,7 @@ class Call:
         return compute_dtype(self.q.dtype)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class CacheWrite:
     """A KV cache step still to be written: ``k_new`` (B, Hkv, L, Dk) and ``v_new`` (B, Hkv, L, Dv)
     go into the cache's buffers ``keys`` (B, Hkv, capacity, Dk) and ``values`` (B, Hkv,
