@@ -116,14 +116,18 @@ def run(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``call`` on backend ``name`` ("auto": ``choose``); (out, weights or None).
 
-    ``write``: a KV cache step's new keys and values, which ``call``'s k and v end with; the
-    backend writes them into the cache and attends, in one step where it can."""
-    module = backend(resolve(call, name))
-    if write is None:
-        result: tuple[torch.Tensor, torch.Tensor | None] = module.attention(call)
-    elif hasattr(module, "attention_with_cache"):
-        result = module.attention_with_cache(call, write)
-    else:
+    ``write``: a KV cache step's new keys and values, which ``call``'s k and v end with. The
+    backend ``"auto"`` would try first (or the one named) writes them and attends in one step
+    where it can (``attention_with_cache``); otherwise they are written before any backend looks
+    at the call, so that every check sees the keys and values it will attend to."""
+    if write is not None:
+        first = backend(preference(call)[0] if name == "auto" else name)
+        fuses = hasattr(first, "attention_with_cache") and first.why_not(call) is None
+        if fuses:
+            fused: tuple[torch.Tensor, torch.Tensor | None] = first.attention_with_cache(
+                call, write
+            )
+            return fused
         write.apply()
-        result = module.attention(call)
+    result: tuple[torch.Tensor, torch.Tensor | None] = backend(resolve(call, name)).attention(call)
     return result
