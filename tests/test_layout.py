@@ -79,6 +79,38 @@ def test_the_core_never_imports_viz(name: str) -> None:
     assert not {module for module in seen if module.startswith("qkv.viz")}
 
 
+def _private_names_used_from_other_modules(name: str) -> set[str]:
+    """``module._name`` or ``from module import _name`` where module is another qkv module."""
+    tree = ast.parse(MODULES[name].read_text())
+    aliases: dict[str, str] = {}  # local name -> qkv module it is bound to
+    used = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("qkv"):
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                if child in MODULES:
+                    aliases[alias.asname or alias.name] = child
+                elif alias.name.startswith("_"):
+                    used.add(f"{node.module}.{alias.name}")
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            used.add(f"{aliases[node.value.id]}.{node.attr}")
+    # A package's own private helpers (qkv._checks) are shared on purpose; the rule is about
+    # reaching into another module's private state.
+    return {used_name for used_name in used if not used_name.startswith("qkv._checks")}
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_module_reads_another_modules_private_names(name: str) -> None:
+    assert not _private_names_used_from_other_modules(name)
+
+
 def _code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     """Lines of a function from its ``def`` to its end, its docstring left out."""
     assert node.end_lineno is not None

@@ -161,6 +161,11 @@ def test_tiles_are_slices_of_the_whole(lq, lk, data, causal, kind):
         (lambda: qkv.padding_mask(torch.tensor([[1, 2]])), ValueError, ["x", "0 and 1"]),
         (lambda: qkv.padding_mask(torch.ones(2, 2), 2), ValueError, ["length", "None", "2"]),
         (lambda: qkv.padding_mask(torch.tensor([2, 3])), ValueError, ["length", "None"]),
+        (
+            lambda: qkv.padding_mask(torch.tensor([2, 7]), length=5),
+            ValueError,
+            ["length=5", "7", "pass length >= 7"],
+        ),
         (lambda: qkv.padding_mask(torch.tensor([2, 5]), 4), ValueError, ["x", "[0, 4]", "5"]),
         (lambda: qkv.padding_mask(torch.tensor([-1]), 4), ValueError, ["x", "[0, 4]", "-1"]),
         (lambda: qkv.padding_mask(torch.tensor([2.0]), 4), TypeError, ["x", "integer", "float"]),
