@@ -182,6 +182,16 @@ class SelfAttention(nn.Module):
     def _check_inputs(self, x: Any, context: Any) -> bool:
         """Check x and context against the layer; True if they are unbatched."""
         weight = self.out_proj.weight
+        if (  # the common call, tested at once (a decoding step comes here once per layer)
+            context is None
+            and self.qkv_proj is not None
+            and isinstance(x, torch.Tensor)
+            and x.dim() in (2, 3)
+            and x.shape[-1] == self.d_model
+            and x.dtype == weight.dtype
+            and x.device == weight.device
+        ):
+            return bool(x.dim() == 2)
         _checks.tensor("x", x, ndims=(2, 3))
         _checks.floating("x", x)
         if x.shape[-1] != self.d_model:
