@@ -49,6 +49,7 @@ from torch.autograd.function import once_differentiable
 
 from qkv import _checks, masks
 from qkv.backends import flash
+from qkv.backends.base import compute_dtype
 from qkv.canonical import Causal, canonical_call
 from qkv.distributed import layout as layouts
 from qkv.distributed._comm import Ring, Transfer
@@ -308,7 +309,7 @@ def _ring_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of this rank's queries over all keys: out (*B, Hq, L, Dv) and lse (*B, Hq, L)
     in the compute dtype (float32 for float16/bfloat16)."""
-    dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    dtype = compute_dtype(q.dtype)
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=dtype)  # (*B, Hq, L, Dv)
     lse = q.new_full(q.shape[:-1], -math.inf, dtype=dtype)  # (*B, Hq, L): no key seen yet
     lq, lk = q.shape[-2], k.shape[-2]
