@@ -51,7 +51,8 @@ def v2_fused(x: torch.Tensor, projections: list[nn.Linear], out_v1: torch.Tensor
     q, k, v = fused(x).split(HIDDEN, dim=-1)  # (B, L, 3D) -> 3 x (B, L, D)
     out = qkv.attention(q, k, v)
     print(f"   fused weight {tuple(fused.weight.shape)}; one matmul gives {tuple(fused(x).shape)}")
-    print(f"   max |V2 - V1| = {float((out - out_v1).abs().max()):.1e}  (the same products, summed in another order)\n")
+    gap = float((out - out_v1).abs().max())
+    print(f"   max |V2 - V1| = {gap:.1e}  (the same products, summed in another order)\n")
     return fused
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import math
 import os
@@ -344,7 +345,7 @@ def make_step(case: Case, implementation: str, shape: Shape) -> Callable[[], Non
                 return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
             return qkv.attention(q, k, v, causal=case.causal, backend=implementation)
 
-        inputs = (q, k, v)
+        inputs: tuple[torch.Tensor, ...] = (q, k, v)
     else:
         x = torch.randn(b, t, shape.d_model, generator=generator).to(dtype).requires_grad_(backward)
         grad = torch.randn(b, t, shape.d_model, generator=generator).to(dtype)
@@ -358,7 +359,7 @@ def make_step(case: Case, implementation: str, shape: Shape) -> Callable[[], Non
             return
         for x in inputs:
             x.grad = None
-        forward().backward(grad)
+        torch.autograd.backward(forward(), grad)
 
     return step
 
@@ -376,6 +377,7 @@ def _module_forward(
 
         def forward() -> torch.Tensor:
             out, _ = layer(x, x, x, attn_mask=blocked, need_weights=False, is_causal=case.causal)
+            assert isinstance(out, torch.Tensor)
             return out
 
         return forward
@@ -433,7 +435,8 @@ def memory_check(length: int, shape: Shape, threads: int | None) -> dict[str, An
     if threads is not None:
         command += ["--threads", str(threads)]
     completed = subprocess.run(command, capture_output=True, text=True, check=True)
-    return json.loads(completed.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(completed.stdout.strip().splitlines()[-1])
+    return result
 
 
 def _peak_memory_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -445,7 +448,7 @@ def _peak_memory_worker(spec: dict[str, Any]) -> dict[str, Any]:
     for x in (q, k, v):
         x.requires_grad_()
     start = time.perf_counter()
-    qkv.attention(q, k, v, causal=True, backend="flash").backward(grad)
+    torch.autograd.backward(qkv.attention(q, k, v, causal=True, backend="flash"), grad)
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     tensors = 8 * q.numel() * q.element_size() / MIB  # q, k, v, grad, out, dq, dk, dv
@@ -656,25 +659,32 @@ def auto_benchmark(repeats: int, scenarios: dict[str, Any] | None = None) -> lis
             lengths = torch.full((b,), int(kwargs.pop("padding") * lk))  # a fraction are real
             kwargs["mask"] = qkv.padding_mask(lengths, lk)
 
-        def step(name: str, q=q, k=k, v=v, kwargs=kwargs, backward=backward) -> None:
+        def step(
+            name: str,
+            q: torch.Tensor = q,
+            k: torch.Tensor = k,
+            v: torch.Tensor = v,
+            kwargs: dict[str, Any] = kwargs,
+            backward: bool = backward,
+        ) -> None:
             with torch.set_grad_enabled(backward):
                 out = qkv.attention(q, k, v, backend=name, **kwargs)
                 if backward:
-                    out.sum().backward()
+                    torch.autograd.backward(out.sum())
 
         times: dict[str, list[float]] = {name: [] for name in names}
-        warm_up = max(_seconds(lambda name=name: step(name)) for name in names)
+        warm_up = max(_seconds(functools.partial(step, name)) for name in names)
         # short calls are noisy: repeat them for about half a second per backend
         for _ in range(min(200, max(repeats, int(0.5 / max(warm_up, 1e-6))))):
             for name in names:
-                times[name].append(_seconds(lambda name=name: step(name)))
+                times[name].append(_seconds(functools.partial(step, name)))
         medians = {name: statistics.median(seconds) * 1e3 for name, seconds in times.items()}
         call = _call_of(q, k, v, kwargs)
         rows.append(
             {
                 "scenario": title,
                 "ms": medians,
-                "fastest": min(medians, key=medians.__getitem__),
+                "fastest": min(medians.items(), key=lambda item: item[1])[0],
                 "auto": qkv.backends.dispatch.choose(call),
             }
         )
@@ -719,7 +729,7 @@ def matmul_rates(dtypes: Sequence[str], size: int = 2048, repeats: int = 10) -> 
         a = torch.randn(size, size).to(DTYPES[name])
         out = torch.empty_like(a)
         torch.mm(a, a, out=out)
-        best = min(_seconds(lambda a=a, out=out: torch.mm(a, a, out=out)) for _ in range(repeats))
+        best = min(_seconds(functools.partial(torch.mm, a, a, out=out)) for _ in range(repeats))
         rates[name] = 2 * size**3 / best / 1e9
     return rates
 

@@ -167,7 +167,7 @@ def load_minilm() -> tuple[Any, Any]:
         pretrained.minilm_dir()  # the weights' package
         import transformers
 
-        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
         return pretrained.load_minilm(attn_implementation="qkv")
     except ImportError as error:
         raise ExplainError(

@@ -150,6 +150,7 @@ def attention_forward(
         return_weights=want_weights,
     )
     out, weights = result if want_weights else (result, None)
+    assert isinstance(out, torch.Tensor)
     return out.transpose(1, 2).contiguous(), weights  # (B, Lq, Hq, Dv)
 
 
@@ -166,5 +167,5 @@ def _weights_requested(kwargs: dict[str, Any]) -> bool:
         from transformers.utils.output_capturing import _active_collector
     except ImportError:
         return False
-    collecting = _active_collector.get()
+    collecting = _active_collector.get()  # type: ignore[no-untyped-call]
     return bool(collecting) and any("attentions" in key for key in collecting)

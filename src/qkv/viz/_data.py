@@ -30,7 +30,7 @@ class AttentionMaps:
 
     @property
     def heads(self) -> int:
-        return self.weights.shape[1]
+        return int(self.weights.shape[1])
 
     def row(self, layer: int | None) -> int:
         """Position in ``weights`` of layer index ``layer`` (None: the first)."""
@@ -49,7 +49,8 @@ class AttentionMaps:
             raise TypeError(f"head must be an int, got {type(head).__name__}")
         if not 0 <= head < self.heads:
             raise ValueError(f"head must be in [0, {self.heads - 1}], got {head}")
-        return self.weights[self.row(layer), head]
+        heads: np.ndarray = self.weights[self.row(layer), head]
+        return heads
 
 
 def collect(
