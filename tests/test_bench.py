@@ -11,26 +11,32 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from qkv import bench, cli
+from qkv import cli
+from qkv.bench import auto, cases, decode, memory, timing
 
 
 def test_a_small_run_writes_the_table_json_and_plot(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    out_json.write_text(json.dumps({"decode": {"speedup": 12.0}}))  # another benchmark's entry
     argv = ["bench", "--lengths", "16,32", "--dtypes", "float32,bfloat16", "--heads", "2"]
     argv += ["--dim", "8", "--repeats", "2", "--backends", "flash,reference"]
     argv += ["--json", str(out_json), "--plot", str(out_png)]
     assert cli.main(argv) == 0
 
-    table = capsys.readouterr().out
-    assert "vs torch" in table and "GFLOP/s" in table and "% mm" in table
+    captured = capsys.readouterr()
+    assert "vs torch" in captured.out and "GFLOP/s" in captured.out and "% mm" in captured.out
     report = json.loads(out_json.read_text())
+    assert report["decode"] == {"speedup": 12.0}  # kept
     assert set(report["matmul_gflops"]) == {"float32", "bfloat16"}
+    assert report["machine"]["processor"]
     results = report["results"]
     # 2 levels x 2 passes x 2 dtypes x 2 causal x 2 lengths, each for torch, flash, reference
-    assert len(results) == 2 * 2 * 2 * 2 * 2 * 3
+    count = 2 * 2 * 2 * 2 * 2
+    assert len(results) == count * 3
     for result in results:
         assert len(result["all_ms"]) == 2 and result["median_ms"] > 0
         assert result["gflops"] > 0 and result["percent_of_matmul"] > 0
@@ -40,6 +46,16 @@ def test_a_small_run_writes_the_table_json_and_plot(
             assert result["memory_mib"] is not None and result["memory_mib"] >= 0
     assert {r["level"] for r in results} == {"functional", "module"}
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # one progress line per case on stderr, with each implementation's time and ratio
+    progress = [line for line in captured.err.splitlines() if line.startswith("[")]
+    assert len(progress) == count
+    assert progress[0].startswith(f"[1/{count}] functional forward float32 full T=16: torch ")
+    assert all("flash" in line and "x)" in line and "reference" in line for line in progress)
+
+
+def test_progress_lines_are_flushed_as_they_are_written(capfd: pytest.CaptureFixture[str]) -> None:
+    timing.progress("case 1: torch 1.00 ms")
+    assert capfd.readouterr().err == "case 1: torch 1.00 ms\n"
 
 
 def test_a_reference_too_long_for_memory_is_skipped(capsys: pytest.CaptureFixture[str]) -> None:
@@ -47,9 +63,11 @@ def test_a_reference_too_long_for_memory_is_skipped(capsys: pytest.CaptureFixtur
     argv += ["--levels", "functional", "--causal", "no", "--backends", "reference,flash"]
     argv += ["--reference-max-length", "32", "--repeats", "1", "--no-memory", "--heads", "1"]
     assert cli.main(argv) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if " 64 " in line]
+    captured = capsys.readouterr()
+    rows = [line for line in captured.out.splitlines() if " 64 " in line]
     assert len(rows) == 3
     assert "skipped: T > --reference-max-length 32" in next(r for r in rows if "reference" in r)
+    assert "reference skipped" in captured.err
 
 
 def test_bad_choices_are_argument_errors(capsys: pytest.CaptureFixture[str]) -> None:
@@ -62,27 +80,81 @@ def test_bad_choices_are_argument_errors(capsys: pytest.CaptureFixture[str]) -> 
 
 @pytest.mark.parametrize("causal, pairs", [(False, 16), (True, 10)])
 def test_flops_count_the_pairs_that_may_attend(causal: bool, pairs: int) -> None:
-    shape = bench.Shape(batch=2, heads=3, dim=5)
-    forward = bench.Case("functional", "forward", "float32", causal, 4)
+    shape = cases.Shape(batch=2, heads=3, dim=5)
+    forward = cases.Case("functional", "forward", "float32", causal, 4)
     assert shape.flops(forward) == 4 * 2 * 3 * pairs * 5  # Q Kᵀ and P V, 2 flops per multiply-add
-    both = bench.Case("functional", "forward+backward", "float32", causal, 4)
+    both = cases.Case("functional", "forward+backward", "float32", causal, 4)
     assert shape.flops(both) == 3.5 * shape.flops(forward)
-    module = bench.Case("module", "forward", "float32", causal, 4)
+    module = cases.Case("module", "forward", "float32", causal, 4)
     projections = 4 * 2 * 2 * 4 * 15**2  # q, k, v and out: (B·T, E) @ (E, E), E = 15
     assert shape.flops(module) == shape.flops(forward) + projections
 
 
+class FakeMachine:
+    """A clock that only the stand-in matrix product advances, at ``gflops`` GFLOP/s."""
+
+    def __init__(self, gflops: float) -> None:
+        self.gflops, self.now, self.sizes = gflops, 0.0, []
+
+    def clock(self) -> float:
+        return self.now
+
+    def product(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        n = a.shape[0]
+        self.sizes.append(n)
+        self.now += 2 * n**3 / (self.gflops * 1e9)
+
+
+@pytest.mark.parametrize("gflops", [0.3, 5.0, 2000.0])
+def test_the_matmul_probe_stays_within_its_time_budget(gflops: float) -> None:
+    # 0.3 GFLOP/s: torch's bfloat16 product on a CPU without bfloat16 units, where a fixed
+    # 2048³ probe took a minute per product.
+    fake = FakeMachine(gflops)
+    rate = timing.matmul_rate(
+        torch.float32, budget_s=0.5, target_s=0.05, product=fake.product, clock=fake.clock
+    )
+    assert fake.now <= 0.5
+    assert math.isclose(rate, gflops, rel_tol=1e-6)
+    assert max(fake.sizes) <= 4096 and len(fake.sizes) >= 2
+
+
+def test_the_whole_probe_shares_one_budget_among_the_dtypes() -> None:
+    from qkv.bench.command import matmul_rates
+
+    rates = matmul_rates(("float32", "bfloat16"), budget_s=0.2)
+    assert set(rates) == {"float32", "bfloat16"} and all(r > 0 for r in rates.values())
+
+
 def test_decoding_with_a_cache_gives_the_outputs_of_recomputing() -> None:
-    result = bench.decode_benchmark(tokens=12, repeats=2)
+    result = decode.decode_benchmark(tokens=12, repeats=2)
     assert result["kv_cache_seconds"] > 0 and result["recompute_seconds"] > 0
     assert len(result["kv_cache_seconds_all"]) == len(result["recompute_seconds_all"]) == 2
     assert result["max_abs_difference"] < 1e-5
     assert result["max_abs_difference_vs_one_pass"] < 1e-5
+    assert "x faster" in decode.format_decode(result)
+
+
+def test_the_auto_table_gives_each_backend_and_the_ratio(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    scenarios = {
+        "tiny causal": auto.Scenario(1, 2, 2, 8, 8, causal=True),
+        "tiny padded, grouped, backward": auto.Scenario(2, 4, 2, 8, 8, padding=0.5, backward=True),
+    }
+    rows = auto.auto_benchmark(repeats=2, scenarios=scenarios)
+    assert [row["scenario"] for row in rows] == list(scenarios)
+    for row in rows:
+        assert set(row["ms"]) == set(auto.BACKENDS) and all(ms > 0 for ms in row["ms"].values())
+        assert row["auto"] in auto.BACKENDS
+        assert row["auto_vs_fastest"] >= 1.0
+    table = auto.format_auto(rows)
+    assert "auto/fastest" in table and "tiny padded, grouped, backward" in table
+    assert len(capsys.readouterr().err.splitlines()) == len(scenarios)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="peak memory is read from Linux's rusage")
 def test_memory_check_runs_in_a_fresh_process() -> None:
-    check = bench.memory_check(512, bench.Shape(batch=1, heads=2, dim=8), threads=1)
+    check = memory.memory_check(512, cases.Shape(batch=1, heads=2, dim=8), threads=1)
     assert check["length"] == 512 and check["backend"] == "flash"
     assert check["peak_process_mib"] >= check["baseline_process_mib"] > 0
     assert math.isclose(check["naive_scores_mib"], 2 * 512 * 512 * 4 / 2**20)

@@ -16,7 +16,7 @@ SUBCOMMANDS = {
         "qkv.explain",
         "walk through one attention computation step by step, with pictures",
     ),
-    "bench": ("qkv.bench", "measure qkv's backends against PyTorch"),
+    "bench": ("qkv.bench.command", "measure qkv's backends against PyTorch"),
 }
 
 

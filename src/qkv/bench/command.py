@@ -1,0 +1,182 @@
+"""The ``qkv bench`` command line.
+
+    qkv bench                                   # the default run: T = 256, 1024, 2048
+    qkv bench --lengths 1024,4096 --dtypes float32 --passes forward --levels functional
+    qkv bench --quick                           # a small subset in about a minute
+    qkv bench --json out.json --plot out.png    # record the results
+    qkv bench --decode                          # KV-cache decoding vs recomputing the prefix
+    qkv bench --memory-check                    # peak memory of a T = 32768 causal step
+    qkv bench --auto                            # the calls that decide what "auto" picks
+
+The table goes to stdout; one progress line per case goes to stderr as the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from qkv.bench import auto, cases, decode, memory, report, runs, timing
+
+MATMUL_BUDGET_S = 1.0  # the whole matrix-multiply probe, all dtypes together
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add ``qkv bench``'s arguments to ``parser``."""
+    parser.description = "qkv's attention backends against PyTorch's, measured in one run."
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("\n\n")[1] + (
+        "\n\nRatios are medians of interleaved repetitions in one run; run on an otherwise idle "
+        "machine for stable numbers."
+    )
+    add = parser.add_argument
+    add("--lengths", type=int_list, default=cases.DEFAULT_LENGTHS, help="T values (256,1024,2048)")
+    add(
+        "--dtypes", type=choices(cases.DTYPES), default=tuple(cases.DTYPES), help="float32,bfloat16"
+    )
+    add(
+        "--passes",
+        type=choices(cases.PASSES),
+        default=cases.PASSES,
+        help="forward,forward+backward",
+    )
+    add(
+        "--levels",
+        type=choices(cases.LEVELS),
+        default=cases.LEVELS,
+        help="functional (attention vs SDPA), module (SelfAttention vs MultiheadAttention)",
+    )
+    add("--causal", choices=("both", "yes", "no"), default="both", help="causal cases (both)")
+    add(
+        "--backends",
+        type=choices(cases.IMPLEMENTATIONS),
+        default=("flash", "reference"),
+        help="qkv backends to measure, comma-separated (default: flash,reference)",
+    )
+    add("--batch", type=positive, default=1, help="B (default 1)")
+    add("--heads", type=positive, default=8, help="H (default 8)")
+    add("--dim", type=positive, default=64, help="D per head (default 64)")
+    add("--repeats", type=positive, default=5, help="timed repetitions (5)")
+    add("--threads", type=positive, default=None, help="torch threads (default: torch's)")
+    add(
+        "--reference-max-length",
+        type=int,
+        default=1024,
+        help="skip the reference backend above this T: it holds T×T scores (default 1024)",
+    )
+    add(
+        "--max-case-seconds",
+        type=float,
+        default=10.0,
+        help="fewer repetitions (at least 3) for cases that would take longer (default 10)",
+    )
+    add("--no-memory", action="store_true", help="skip the memory measurement")
+    add("--quick", action="store_true", help="T = 256 and 1024, 3 repetitions, no memory")
+    add("--json", metavar="PATH", help="write the results into this JSON file")
+    add("--plot", metavar="PATH", help="write a PNG: time and memory vs T")
+    configure_only_modes(parser)
+
+
+def configure_only_modes(parser: argparse.ArgumentParser) -> None:
+    """The modes that run one other benchmark instead of the table."""
+    add = parser.add_argument
+    add("--decode", action="store_true", help="only: KV-cache decoding vs recomputing the prefix")
+    add("--decode-tokens", type=positive, default=512, help="tokens to decode (512)")
+    add("--auto", action="store_true", help='only: every backend on what decides backend="auto"')
+    add(
+        "--memory-check",
+        type=positive,
+        nargs="?",
+        const=32768,
+        default=None,
+        metavar="T",
+        help="only: peak memory of a fresh process running one causal float32 forward+backward "
+        "of backend flash at length T (default 32768)",
+    )
+    add("--worker", help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run what ``args`` asks for, print it, and record it with --json/--plot."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    shape = cases.Shape(args.batch, args.heads, args.dim)
+    if args.worker is not None:
+        print(json.dumps(memory.peak_memory_worker(json.loads(args.worker))))
+        return 0
+    record: dict[str, Any] = {"machine": report.machine(), "shape": asdict(shape)}
+    if args.memory_check is not None:
+        record["memory_check"] = memory.memory_check(args.memory_check, shape, args.threads)
+        print(memory.format_memory_check(record["memory_check"]))
+    elif args.decode:
+        record["decode"] = decode.decode_benchmark(args.decode_tokens, repeats=args.repeats)
+        print(decode.format_decode(record["decode"]))
+    elif args.auto:
+        record["auto"] = auto.auto_benchmark(args.repeats)
+        print(auto.format_auto(record["auto"]))
+    else:
+        table(args, shape, record)
+    if args.json:
+        report.write_json(args.json, record)
+    return 0
+
+
+def table(args: argparse.Namespace, shape: cases.Shape, record: dict[str, Any]) -> None:
+    """The default mode: every case against PyTorch, printed as a table (and plotted), its
+    results added to ``record``."""
+    if args.quick:
+        args.lengths, args.repeats, args.no_memory = (256, 1024), 3, True
+    causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    chosen = cases.make_cases(args.levels, args.passes, args.dtypes, causal, args.lengths)
+    rates = matmul_rates(args.dtypes)
+    settings = runs.Settings(
+        args.repeats, args.max_case_seconds, args.reference_max_length, not args.no_memory
+    )
+    results = runs.measure(chosen, args.backends, shape, settings, rates)
+    record.update(matmul_gflops=rates, results=[r.as_json() for r in results])
+    print(report.format_table(results, record))
+    if args.plot:
+        report.plot(results, args.plot)
+
+
+def matmul_rates(dtypes: Sequence[str], budget_s: float = MATMUL_BUDGET_S) -> dict[str, float]:
+    """GFLOP/s of the matrix-multiply probe per dtype, all of them within ``budget_s``."""
+    share = budget_s / max(1, len(dtypes))
+    return {name: timing.matmul_rate(cases.DTYPES[name], share) for name in dtypes}
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if any(value <= 0 for value in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def positive(text: str) -> int:
+    (value,) = int_list(text)
+    return value
+
+
+def choices(options: Sequence[str] | dict[str, Any]) -> Callable[[str], tuple[str, ...]]:
+    allowed = tuple(options)
+
+    def parse(text: str) -> tuple[str, ...]:
+        values = tuple(part.strip() for part in text.split(","))
+        for value in values:
+            if value not in allowed:
+                raise argparse.ArgumentTypeError(
+                    f"expected a comma-separated subset of {','.join(allowed)}, got {value!r}"
+                )
+        return values
+
+    return parse
