@@ -17,9 +17,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PASSES = ("forward", "forward+backward")
 LEVELS = ("functional", "module")
 IMPLEMENTATIONS = ("flash", "reference", "sdpa", "auto")
-# The default run: three lengths a factor of 4 and 2 apart, small enough for the whole run
+# The default run: three lengths a factor of 2 apart, small enough for the whole run
 # (both levels, passes, dtypes and masks) to take a few minutes on two cores.
-DEFAULT_LENGTHS = (256, 1024, 2048)
+DEFAULT_LENGTHS = (256, 512, 1024)
 TORCH = "torch"  # the name of PyTorch's own implementation in results
 
 

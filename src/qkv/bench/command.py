@@ -1,6 +1,6 @@
 """The ``qkv bench`` command line.
 
-    qkv bench                                   # the default run: T = 256, 1024, 2048
+    qkv bench                                   # the default run: T = 256, 512, 1024
     qkv bench --lengths 1024,4096 --dtypes float32 --passes forward --levels functional
     qkv bench --quick                           # a small subset in about a minute
     qkv bench --json out.json --plot out.png    # record the results
@@ -35,7 +35,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "machine for stable numbers."
     )
     add = parser.add_argument
-    add("--lengths", type=int_list, default=cases.DEFAULT_LENGTHS, help="T values (256,1024,2048)")
+    add("--lengths", type=int_list, default=cases.DEFAULT_LENGTHS, help="T values (256,512,1024)")
     add(
         "--dtypes", type=choices(cases.DTYPES), default=tuple(cases.DTYPES), help="float32,bfloat16"
     )

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import qkv
+from qkv.backends.base import Unsupported
 from qkv.bench.cases import DTYPES, TORCH, Case, Result, Shape
 from qkv.bench.memory import added_memory_mib
 from qkv.bench.timing import interleaved, progress, seconds
@@ -87,7 +88,13 @@ def time_case(
             results[name].skipped = f"T > --reference-max-length {limit}"
             continue
         steps[name] = make_step(case, name, shape)
-    warm_up = sum(seconds(step) for step in steps.values())  # first calls are not measured
+    warm_up = 0.0  # first calls are not measured
+    for name, step in list(steps.items()):
+        try:
+            warm_up += seconds(step)
+        except Unsupported as refused:  # e.g. the reference's scores would not fit in memory
+            results[name].skipped = str(refused)
+            del steps[name]
     # Long cases get fewer repetitions (but at least 3, for a median) to bound the run time.
     repeats = min(settings.repeats, max(3, int(settings.max_case_seconds / max(warm_up, 1e-9))))
     for name, times in interleaved(steps, repeats).items():
