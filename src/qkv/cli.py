@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 SUBCOMMANDS = {
     "explain": (
-        "qkv.explain",
+        "qkv.explain.command",
         "walk through one attention computation step by step, with pictures",
     ),
     "bench": ("qkv.bench.command", "measure qkv's backends against PyTorch"),

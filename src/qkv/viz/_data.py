@@ -72,51 +72,11 @@ def collect(
     """
     if isinstance(batch, bool) or not isinstance(batch, int):
         raise TypeError(f"batch must be an int, got {type(batch).__name__}")
-    blocked = None
-    if isinstance(source, Trace):
-        if tokens is None and query_tokens is None:
-            tokens = source.tokens
-        source = _one_shape(source.records)
-    if isinstance(source, AttentionRecord):
-        source = [source]
-    if isinstance(source, torch.Tensor):
-        layers = _layers_from_tensor(source)
-        names: list[str] = [f"layer {i}" for i in range(layers.shape[0])]
-        ids: list[int | None] = [None] * layers.shape[0]
-    elif (
-        isinstance(source, Sequence)
-        and source
-        and all(isinstance(r, AttentionRecord) for r in source)
-    ):
-        layers = torch.stack([_record_weights(r, batch) for r in source])
-        names = [_record_name(r) for r in source]
-        ids = [r.layer for r in source]
-        keep = source[0].mask
-        if keep is not None:
-            keep = keep.expand(source[0].shape)
-            keep = keep.reshape(-1, *keep.shape[-3:])[min(batch, keep.shape[0] - 1), 0]
-            blocked = (~keep).cpu().numpy()
-    elif (
-        isinstance(source, Sequence) and source and all(isinstance(t, torch.Tensor) for t in source)
-    ):
-        layers = torch.stack([_layer_from_tensor(t, batch, i) for i, t in enumerate(source)])
-        names = [f"layer {i}" for i in range(len(source))]
-        ids = list(range(len(source)))
-    else:
-        raise TypeError(
-            "source must be a qkv.trace() result, an AttentionRecord, a weights tensor or a "
-            f"sequence of per-layer weights tensors, got {type(source).__name__}"
-        )
+    if isinstance(source, Trace) and tokens is None and query_tokens is None:
+        tokens = source.tokens
+    layers, names, ids, blocked = _layers(source, batch)
     if mask is not None:
-        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-            raise TypeError("mask must be a bool tensor (True = may attend)")
-        if tuple(mask.shape) != tuple(layers.shape[-2:]):
-            raise ValueError(
-                f"mask must have shape (Lq, Lk) = {tuple(layers.shape[-2:])}, got "
-                f"{tuple(mask.shape)}"
-            )
-        blocked = (~mask).cpu().numpy()
-
+        blocked = _blocked(mask, tuple(layers.shape[-2:]))
     weights = layers.detach().to("cpu", torch.float32).numpy()  # (layers, H, Lq, Lk)
     lq, lk = weights.shape[-2:]
     if query_tokens is None and key_tokens is None and tokens is not None:
@@ -131,6 +91,47 @@ def collect(
         layer_ids=ids,
         blocked=None if blocked is None or not blocked.any() else blocked,
     )
+
+
+def _layers(
+    source: Any, batch: int
+) -> tuple[torch.Tensor, list[str], list[int | None], np.ndarray | None]:
+    """(layers, H, Lq, Lk) weights, layer names, layer ids and a record's blocked cells."""
+    if isinstance(source, Trace):
+        source = _one_shape(source.records)
+    if isinstance(source, AttentionRecord):
+        source = [source]
+    if isinstance(source, torch.Tensor):
+        layers = _layers_from_tensor(source)
+        return layers, [f"layer {i}" for i in range(layers.shape[0])], [None] * len(layers), None
+    if isinstance(source, Sequence) and source:
+        if all(isinstance(r, AttentionRecord) for r in source):
+            layers = torch.stack([_record_weights(r, batch) for r in source])
+            blocked = None
+            keep = source[0].mask
+            if keep is not None:
+                keep = keep.expand(source[0].shape)
+                keep = keep.reshape(-1, *keep.shape[-3:])[min(batch, keep.shape[0] - 1), 0]
+                blocked = (~keep).cpu().numpy()
+            return layers, [_record_name(r) for r in source], [r.layer for r in source], blocked
+        if all(isinstance(t, torch.Tensor) for t in source):
+            layers = torch.stack([_layer_from_tensor(t, batch, i) for i, t in enumerate(source)])
+            ids: list[int | None] = list(range(len(source)))
+            return layers, [f"layer {i}" for i in range(len(source))], ids, None
+    raise TypeError(
+        "source must be a qkv.trace() result, an AttentionRecord, a weights tensor or a "
+        f"sequence of per-layer weights tensors, got {type(source).__name__}"
+    )
+
+
+def _blocked(mask: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """The cells a bool (Lq, Lk) ``mask`` (True = may attend) blocks."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise TypeError(f"mask must be a bool tensor (True = may attend), got {got}")
+    if tuple(mask.shape) != shape:
+        raise ValueError(f"mask must have shape (Lq, Lk) = {shape}, got {tuple(mask.shape)}")
+    return (~mask).cpu().numpy()
 
 
 def _one_shape(records: list[AttentionRecord]) -> list[AttentionRecord]:

@@ -10,6 +10,12 @@ Safety: every piece of user text (tokens, title) goes in as JSON data inside a
 ``<script type="application/json">`` element with ``<``, ``>`` and ``&`` escaped, and the page
 inserts it with ``textContent`` only. A Content-Security-Policy forbids every network load and
 allows only the page's own script and stylesheet (by hash).
+
+The page itself is three plain files in ``static/``: ``viewer.html`` (the template),
+``viewer.css`` and ``viewer.js`` (vanilla JavaScript: it reads its data from the
+``<script type="application/json">`` element, inflates the weights with the browser's own
+``DecompressionStream`` and draws with canvas; user text reaches the page through
+``textContent`` only).
 Legend: H heads, Lq query length, Lk key length.
 """
 
@@ -21,16 +27,22 @@ import html
 import json
 import zlib
 from collections.abc import Sequence
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from qkv.viz import _assets
 from qkv.viz._data import AttentionMaps, collect
 
 VIEWS = ("head", "model")
+# The page's template, stylesheet and script: plain files beside this module (``static/``).
+_STATIC = resources.files("qkv.viz") / "static"
+PAGE, CSS, JS = (
+    (_STATIC / name).read_text(encoding="utf-8")
+    for name in ("viewer.html", "viewer.css", "viewer.js")
+)
 
 
 class AttentionView:
@@ -98,15 +110,15 @@ class AttentionView:
         data = script_json(self.payload())
         policy = (
             "default-src 'none'; "
-            f"script-src {_csp_hash(_assets.JS)}; style-src {_csp_hash(_assets.CSS)}; "
+            f"script-src {_csp_hash(JS)}; style-src {_csp_hash(CSS)}; "
             "img-src data: blob:; base-uri 'none'; form-action 'none'"
         )
-        return _PAGE.format(
+        return PAGE.format(
             policy=policy,  # our own constant: no quotes or markup to escape
             title=html.escape(self.title),
-            css=_assets.CSS,
+            css=CSS,
             data=data,
-            js=_assets.JS,
+            js=JS,
         )
 
     def save(self, path: str | Path) -> Path:
@@ -179,69 +191,3 @@ def _pack(array: np.ndarray) -> str:
 def _csp_hash(source: str) -> str:
     digest = hashlib.sha256(source.encode("utf-8")).digest()
     return "'sha256-" + base64.b64encode(digest).decode() + "'"
-
-
-_PAGE = """<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta http-equiv="Content-Security-Policy" content="{policy}">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<meta name="generator" content="qkv">
-<title>{title}</title>
-<style>{css}</style>
-</head>
-<body>
-<header>
-  <h1><span class="brand">qkv</span><span id="title"></span></h1>
-  <div class="subtitle" id="subtitle"></div>
-</header>
-<nav class="controls">
-  <div class="tabs" role="tablist">
-    <button type="button" role="tab" data-view="head" aria-selected="true">Head view</button>
-    <button type="button" role="tab" data-view="model" aria-selected="false">Model view</button>
-  </div>
-  <label>Layer <select id="layer"></select></label>
-  <label>Head <select id="head"></select></label>
-  <span class="hint">Hover a token to focus it · click to pin · click a thumbnail to open it</span>
-</nav>
-<div id="error" role="alert"></div>
-<main>
-  <section id="head-view" class="panels">
-    <div class="panel">
-      <h2 id="head-title">Head</h2>
-      <div id="lines-wrap">
-        <div id="lines-grid">
-          <div id="tokens-q" class="tokens"></div>
-          <div id="lines-col"><canvas id="lines"></canvas></div>
-          <div id="tokens-k" class="tokens"></div>
-        </div>
-      </div>
-      <div id="focus-info"></div>
-    </div>
-    <div class="panel">
-      <h2>Weights: rows are queries, columns are keys</h2>
-      <div id="matrix-box">
-        <canvas id="matrix"></canvas>
-        <canvas id="matrix-overlay"></canvas>
-      </div>
-      <div class="legend">0 <canvas id="legend-bar"></canvas> the head's largest weight
-        <span id="legend-blocked"><span class="swatch"></span> blocked by the mask</span>
-      </div>
-    </div>
-  </section>
-  <section id="model-view" hidden>
-    <div class="panel">
-      <h2>Every layer and head (click one to open it)</h2>
-      <div id="model-grid"></div>
-    </div>
-  </section>
-</main>
-<footer>qkv attention viewer · <span id="footer-size"></span> · self-contained, works offline
-</footer>
-<div id="tip"></div>
-<script type="application/json" id="qkv-data">{data}</script>
-<script>{js}</script>
-</body>
-</html>
-"""
