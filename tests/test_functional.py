@@ -440,6 +440,47 @@ def test_non_finite_value_reaches_the_outputs_that_use_it(backend, value):
     assert_close(out[..., 0], oracle(q, k, v)[0][..., 0], f64)  # the other feature is clean
 
 
+@pytest.mark.parametrize(
+    "case", ["bad key, causal", "bad key, top-left", "bad key, mask", "grouped", "bad query"]
+)
+def test_sdpa_off_the_cpu_spreads_non_finite_values_as_qkv_does_without_a_host_sync(
+    monkeypatch, case
+):
+    # Off the CPU, sdpa must not ask whether q and k are finite (bool() of a device tensor stalls
+    # the device): it runs on cleaned inputs and puts NaN into exactly the rows qkv's semantics do.
+    from qkv.backends import sdpa
+
+    monkeypatch.setattr(sdpa, "SYNC_FREE", True)
+    hq = 4 if case == "grouped" else 2
+    q, k, v = randn(2, hq, 5, 4), randn(2, 2, 7, 4), randn(2, 2, 7, 3)
+    keep = torch.ones(5, 7, dtype=torch.bool).tril(diagonal=2)
+    keep[1] = False  # query 1 may attend nothing
+    keep[4, 3] = False
+    kwargs = {
+        "bad key, causal": {"causal": True},
+        "bad key, top-left": {"causal": "top-left"},
+        "bad key, mask": {"mask": keep},
+        "grouped": {"mask": torch.zeros(5, 7, dtype=f64).masked_fill(~keep, -math.inf)},
+        "bad query": {"mask": keep},
+    }[case]
+    if case == "bad query":
+        q[1, 0, 1, 2] = math.inf  # a row without keys: still 0
+        q[1, 1, 2, 0] = math.nan
+    else:
+        k[0, 1, 3, 2] = math.nan  # key 3 of key/value head 1
+    expected = qkv.attention(q, k, v, backend="reference", **kwargs)
+
+    def no_sync(self: torch.Tensor) -> bool:
+        raise AssertionError("sdpa asked the device for a value")
+
+    monkeypatch.setattr(torch.Tensor, "__bool__", no_sync)
+    out = qkv.attention(q, k, v, backend="sdpa", **kwargs)
+    monkeypatch.undo()
+    assert out.isnan().any()  # the case plants a value that reaches some row
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert_close(out.nan_to_num(0.0), expected.nan_to_num(0.0), f64)
+
+
 # --- float16 / bfloat16 ---------------------------------------------------------------------------
 
 

@@ -3,6 +3,12 @@ semantics are exactly qkv's.
 
 torch's ``is_causal`` is top-left aligned and cannot be combined with a mask, so every other
 causal rule is passed to it as a bool mask built by ``qkv.masks``. It cannot return weights.
+
+torch blocks a score by adding -inf to it, qkv by replacing it: a NaN or Inf in q or k would
+reach rows that may not attend it through torch's kernel. On the CPU such a call is refused (the
+check is a cheap scan there); on other devices, where asking the question would stall the
+device once per call, the kernel runs on cleaned inputs and the rows that touch a non-finite
+value are set to NaN afterwards (``_spread_non_finite``), with no host synchronisation.
 Legend: B batch, H heads, Lq query length, Lk key length, D features.
 """
 
@@ -14,6 +20,8 @@ import torch.nn.functional as F
 from qkv import masks
 from qkv.backends.base import Call
 
+# Handle NaN/Inf under a mask without a host synchronisation (always so off the CPU).
+SYNC_FREE = False
 # enable_gqa arrived in torch 2.5
 _HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
 
@@ -26,7 +34,8 @@ def why_not(call: Call) -> str | None:
     if call.q.shape[-2] == 0 or call.k.shape[-2] == 0:
         return "torch's fused kernel does not take empty sequences"
     masked = call.mask is not None or call.causal_offset is not None
-    if masked and not (bool(call.q.isfinite().all()) and bool(call.k.isfinite().all())):
+    on_cpu = call.q.device.type == "cpu" and not SYNC_FREE
+    if masked and on_cpu and not (bool(call.q.isfinite().all()) and bool(call.k.isfinite().all())):
         # torch adds -inf to blocked scores, and NaN + -inf is NaN: a NaN or Inf in q or k would
         # reach rows that may not attend it (qkv blocks a score by replacing it).
         return (
@@ -47,9 +56,10 @@ def attention(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
     if mask is not None and mask.is_floating_point():
         mask = mask.to(q.dtype)  # torch requires a float mask in the inputs' dtype
     extra = {"enable_gqa": True} if call.groups > 1 else {}
+    guarded = (mask is not None or is_causal) and (q.device.type != "cpu" or SYNC_FREE)
     out = F.scaled_dot_product_attention(
-        q,
-        k,
+        _finite(q) if guarded else q,
+        _finite(k) if guarded else k,
         v,
         attn_mask=mask,
         dropout_p=call.dropout_p,
@@ -57,4 +67,29 @@ def attention(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
         scale=call.scale,
         **extra,
     )  # (*B, Hq, Lq, Dv)
+    if guarded:
+        out = _spread_non_finite(out, call, mask)
     return out, None
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x.isfinite(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _spread_non_finite(out: torch.Tensor, call: Call, mask: torch.Tensor | None) -> torch.Tensor:
+    """NaN in the rows of ``out`` that qkv's semantics give NaN: rows that may attend a key
+    holding NaN/Inf, and rows whose own query holds one and that may attend some key."""
+    lq, lk = call.q.shape[-2], call.k.shape[-2]
+    bad_key = ~call.k.isfinite().all(-1)  # (*B, Hkv, Lk)
+    if call.groups > 1:
+        bad_key = bad_key.repeat_interleave(call.groups, dim=-2)  # (*B, Hq, Lk)
+    bad_query = ~call.q.isfinite().all(-1)  # (*B, Hq, Lq)
+    if mask is None:  # top-left causal: query i may attend keys 0..i
+        seen = bad_key.cummax(-1).values  # (*B, Hq, Lk): a bad key among 0..j
+        rows = torch.arange(lq, device=out.device).clamp(max=max(lk - 1, 0))
+        nan_rows = seen[..., rows] | bad_query  # (*B, Hq, Lq)
+    else:
+        keep = mask if mask.dtype == torch.bool else mask != float("-inf")  # (.., Lq, Lk)
+        touches_bad_key = (keep & bad_key.unsqueeze(-2)).any(-1)
+        nan_rows = touches_bad_key | (bad_query & keep.any(-1))  # (*B, Hq, Lq)
+    return out.masked_fill(nan_rows.unsqueeze(-1), float("nan"))
