@@ -272,15 +272,18 @@ def fully_masked(ctx: Context) -> Result:
     keep = torch.ones(BATCH, LENGTH, dtype=torch.bool)
     keep[0] = False  # item 0: every key is padding
     inputs = ctx.inputs.with_grad()
+    with torch.no_grad():  # inference: some implementations take another path without autograd
+        inferred = ctx.call(keep=keep).rows
     rows = ctx.call(inputs, keep=keep).rows
-    bad = int((~rows[0].isfinite()).sum())
+    bad = max(int((~r[0].isfinite()).sum()) for r in (inferred, rows))
     said = f"item 0 with every key padded gives {bad} NaN/inf outputs"
     if bad:
+        path = "" if not bool(rows[0].isfinite().all()) else " (under torch.no_grad() only)"
         return Result(
             "fully-masked",
             "fail",
-            f"{said} (of {rows[0].numel()}): softmax of a row "
-            "that is all -inf is 0/0. Give such rows zero weights (qkv: exactly 0), e.g. "
+            f"{said} (of {rows[0].numel()}){path}: softmax of a row that is all -inf is 0/0. "
+            "Give such rows zero weights (qkv: exactly 0), e.g. "
             "torch.where(row has a key, softmax, 0)",
         )
     grads = list(gradients_of(rows.sum(), inputs, ctx.target).values())

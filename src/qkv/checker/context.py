@@ -151,7 +151,12 @@ def describe(ctx: Context) -> dict[str, Any]:
     """What was detected, for the report's ``detected``."""
     target = ctx.target
     found: dict[str, Any] = {"kind": target.kind}
-    if target.init:
+    if target.config_param is not None:
+        config = vars(target.init[target.config_param])
+        usual = ("n_embd", "n_head", "dropout", "block_size", "bias")
+        shown = ", ".join(f"{name}={config[name]!r}" for name in usual)
+        found["constructor"] = f"{target.config_param}: a namespace with {shown} (and synonyms)"
+    elif target.init:
         found["constructor"] = ", ".join(f"{k}={v!r}" for k, v in target.init.items())
     if target.kind == "function":
         found["inputs"] = "q, k, v " + ("(B, H, L, D)" if target.layout == "BHLD" else "(B, L, D)")

@@ -89,16 +89,26 @@ def check(
     with torch.random.fork_rng():
         torch.manual_seed(0)
         target = target_of(obj, init=init, forward=forward, heads=heads, name=name)
+        training = None if target.module is None else target.module.training
         try:
-            ctx = build(target)
-        except CheckError:
-            raise
-        except Exception as error:  # the user's code failed on the plainest call
-            raise CheckError(_first_call_failed(target, error)) from error
-        report = Report(target.name, detected=describe(ctx))
-        for check_id, function in CHECKS:
-            report.checks.append(_run_one(check_id, function, ctx))
+            report = _run_all(target)
+        finally:  # the caller's module goes back to the mode it came in
+            if target.module is not None and training is not None:
+                target.module.train(training)
     report.seconds = time.perf_counter() - start
+    return report
+
+
+def _run_all(target: Target) -> Report:
+    try:
+        ctx = build(target)
+    except CheckError:
+        raise
+    except Exception as error:  # the user's code failed on the plainest call
+        raise CheckError(_first_call_failed(target, error)) from error
+    report = Report(target.name, detected=describe(ctx))
+    for check_id, function in CHECKS:
+        report.checks.append(_run_one(check_id, function, ctx))
     return report
 
 

@@ -207,10 +207,13 @@ def _with_params(target: Target, params: Mapping[str, Any], forward: dict[str, A
     )
 
 
-def from_module(module: nn.Module, name: str, forward: dict[str, Any]) -> Target:
-    """An instance, already built: widths and heads from its attributes or first Linear."""
+def from_module(
+    module: nn.Module, name: str, forward: dict[str, Any], width: int | None = None
+) -> Target:
+    """An instance: its input width (unless given) and heads from its attributes or first
+    Linear layer."""
     module = torch_mha_view(module)
-    width = _attribute(module, WIDTH_NAMES)
+    width = width or _attribute(module, WIDTH_NAMES)
     if width is None:
         first = next((m for m in module.modules() if isinstance(m, nn.Linear)), None)
         if first is None:
@@ -285,19 +288,16 @@ def from_class(
                 "constructor arguments with --init name=value,..."
             ) from error
 
-    torch.manual_seed(0)
-    target = from_module(factory(kwargs), name, forward)
     config = next(iter(kwargs.values())) if len(kwargs) == 1 else None
     is_config = isinstance(config, types.SimpleNamespace)
     values = vars(config) if is_config else kwargs
-    width = next((values[n] for n in WIDTH_NAMES if n in values), target.width)
-    heads = next((values[n] for n in HEAD_NAMES if n in values), target.heads)
-    out_width = next((values[n] for n in OUT_NAMES if n in values), None)
+    width = next((values[n] for n in WIDTH_NAMES if n in values), None)
+    torch.manual_seed(0)
+    target = from_module(factory(kwargs), name, forward, width=width)
     return replace(
         target,
-        width=width,
-        heads=heads,
-        out_width=out_width,
+        heads=next((values[n] for n in HEAD_NAMES if n in values), target.heads),
+        out_width=next((values[n] for n in OUT_NAMES if n in values), None),
         init=kwargs,
         factory=factory,
         config_param=_first(CONFIG_NAMES, params) if is_config else None,

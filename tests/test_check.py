@@ -1,0 +1,284 @@
+"""``qkv.check``: no false alarms on correct implementations, and every planted mistake caught by
+its own check with an explanation that names the cause."""
+
+from __future__ import annotations
+
+import math
+
+import planted
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn import functional as F
+
+import qkv
+from qkv.checker import CHECK_IDS, CheckError, Report, Result, assert_attention, check, tutorials
+from qkv.checker.diagnose import SCALES
+
+
+def failed(report: Report) -> set[str]:
+    return set(report.failed)
+
+
+def skipped(report: Report) -> set[str]:
+    return {r.id for r in report.checks if r.status == "skip"}
+
+
+class NanoConfig:
+    n_embd, n_head, dropout, bias, block_size = 48, 6, 0.0, False, 32
+
+
+class NanoCausalSelfAttention(nn.Module):
+    """nanoGPT's attention block as it is usually written: one config, fused c_attn, a causal
+    buffer, torch's fused kernel on one path and the explicit formula on the other."""
+
+    def __init__(self, config: NanoConfig, flash: bool = False) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.attn_dropout = nn.Dropout(config.dropout)
+        self.n_head, self.n_embd, self.dropout, self.flash = (
+            config.n_head,
+            config.n_embd,
+            config.dropout,
+            flash,
+        )
+        tril = torch.tril(torch.ones(config.block_size, config.block_size))
+        self.register_buffer("bias", tril.view(1, 1, config.block_size, config.block_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = (
+            t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+            for t in self.c_attn(x).split(self.n_embd, dim=2)
+        )  # (B, nh, T, hs)
+        if self.flash:
+            p = self.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            y = self.attn_dropout(F.softmax(att, dim=-1)) @ v
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class NanoFromConfig(NanoCausalSelfAttention):
+    """Built by qkv check itself from a config object with the usual names."""
+
+    def __init__(self, config: NanoConfig) -> None:
+        super().__init__(config)
+
+
+CORRECT = {
+    "SelfAttention, 1 head": lambda: qkv.SelfAttention(32, 1),
+    "SelfAttention, 4 heads": lambda: qkv.SelfAttention(32, 4),
+    "SelfAttention, 4 heads, causal": lambda: qkv.SelfAttention(32, 4, causal=True),
+    "SelfAttention, class": lambda: qkv.SelfAttention,
+    "SelfAttention, biases, dropout": lambda: qkv.SelfAttention(24, 3, bias=True, dropout=0.2),
+    "qkv.MultiheadAttention": lambda: qkv.MultiheadAttention(32, 4, batch_first=True),
+    "torch MultiheadAttention, sequence first": lambda: nn.MultiheadAttention(32, 4),
+    "nanoGPT": lambda: NanoCausalSelfAttention(NanoConfig()),
+    "nanoGPT, fused kernel": lambda: NanoCausalSelfAttention(NanoConfig(), flash=True),
+    "nanoGPT, built from a config": lambda: NanoFromConfig,
+    "qkv.attention": lambda: qkv.attention,
+    "planted.Attention (the right one)": lambda: planted.Attention,
+}
+
+
+@pytest.mark.parametrize("name", CORRECT)
+def test_correct_implementations_pass_every_check(name: str) -> None:
+    report = check(CORRECT[name]())
+    assert report.ok, report.text()
+    assert [r.id for r in report.checks] == list(CHECK_IDS)
+    # What could not apply is skipped with its reason, never silently passed.
+    for result in report.checks:
+        if result.status == "skip":
+            assert result.id in {"weights", "padding", "fully-masked"}, report.text()
+            assert "no " in result.detail
+
+
+def test_a_full_featured_layer_has_nothing_skipped() -> None:
+    report = check(qkv.SelfAttention(32, 4))
+    assert not skipped(report)
+    assert report.detected["mask"] == "padding_mask (B, L), bool, True = keep"
+    assert report.detected["causal"] == "forward argument causal=True"
+
+
+def test_always_causal_modules_are_detected_as_such() -> None:
+    report = check(NanoCausalSelfAttention(NanoConfig()))
+    assert report.detected["causal"].startswith("always")
+    assert report["causal"].status == "pass"
+    assert report["oracle"].status == "pass" and "causal=True" in report["oracle"].detail
+
+
+def test_torch_multihead_attention_gives_nan_for_a_fully_padded_row_in_inference() -> None:
+    """torch's fast path (batch_first, eval, no autograd) returns NaN where every key is padded:
+    a real difference from the contract, which qkv.MultiheadAttention fixes. Nothing else
+    fails, and its True = ignore key_padding_mask is detected."""
+    report = check(nn.MultiheadAttention(32, 4, batch_first=True))
+    assert failed(report) == {"fully-masked"}
+    assert "NaN" in report["fully-masked"].detail and "no_grad" in report["fully-masked"].detail
+    assert report.detected["mask"] == "key_padding_mask (B, L), bool, True = ignore"
+
+
+@pytest.mark.parametrize(
+    "example", [e for e in tutorials.EXAMPLES], ids=lambda e: f"{e.file}:{e.name}"
+)
+def test_each_tutorial_is_graded_as_its_defect_says(example: tutorials.Example) -> None:
+    report = tutorials.check_example(example)
+    assert failed(report) == set(example.fails), report.text()
+
+
+def test_tutorial_001s_blocked_mask_is_detected() -> None:
+    report = tutorials.check_example(tutorials.EXAMPLES[2])
+    assert "True = ignore" in report.detected["mask"]
+    assert report["padding"].status == "pass"
+
+
+# One planted mistake each: (implementation, the check that must fail, words its detail says).
+PLANTED = {
+    "wrong scale": (planted.WrongScale, "scale", ["1/√32", "d_model", "1/√8"]),
+    "no scale": (planted.NoScale, "scale", ["no scale", "1/√8"]),
+    "scale after softmax": (planted.ScaleAfterSoftmax, "scale", ["after the softmax"]),
+    "softmax over the wrong axis": (planted.SoftmaxOverQueries, "oracle", ["wrong axis", "dim=-1"]),
+    "tiny mask fill": (planted.TinyMaskFill, "padding", ["1e-20", "-inf"]),
+    "positive mask fill": (planted.PositiveMaskFill, "padding", ["large positive", "-inf"]),
+    "heads split without transpose": (planted.SplitWithoutTranspose, "oracle", ["split", "transpose"]),
+    "heads merged without transpose": (planted.MergeWithoutTranspose, "oracle", ["merged", "transpose"]),
+    "causal mask hides the diagonal": (planted.CausalHidesDiagonal, "causal", ["diagonal", "j <= i"]),
+    "causal mask flipped": (planted.CausalFlipped, "causal", ["flipped", "future"]),
+    "dropout in eval": (planted.DropoutInEval, "dropout", ["eval mode", "training=self.training"]),
+    "NaN on a fully padded row": (planted.NaNOnFullyPadded, "fully-masked", ["NaN", "0/0"]),
+    "batch mixing": (planted.BatchMixing, "batch", ["changing item 1 changes item 0", "mix"]),
+    "padding broadcast over queries": (planted.PaddingOverQueries, "padding", ["queries", "(B, 1, 1, L)"]),
+    "crash on an empty sequence": (planted.CrashOnEmpty, "empty", ["L = 0 raised", "max"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("defect", PLANTED)
+def test_each_planted_mistake_fails_its_check_and_names_the_cause(defect: str) -> None:
+    implementation, check_id, words = PLANTED[defect]
+    report = check(implementation)
+    result = report[check_id]
+    assert result.status == "fail", report.text()
+    for word in words:
+        assert word in result.detail, result.detail
+    assert not report.ok
+
+
+def test_the_causal_mask_mistakes_fail_only_with_causal_and_tiny_fills_leak_there_too() -> None:
+    assert failed(check(planted.CausalHidesDiagonal)) == {"causal"}
+    assert failed(check(planted.CausalFlipped)) == {"causal"}
+    assert {"causal", "padding"} <= failed(check(planted.TinyMaskFill))
+
+
+def test_a_wrong_scale_is_named_whatever_it_is() -> None:
+    report = tutorials.check_example(tutorials.EXAMPLES[7])
+    assert "1/√32 = 1/√d_in" in report["scale"].detail
+    assert "1/√24" in report["scale"].detail
+
+
+@given(name=st.sampled_from([n for n in SCALES if n not in ("head", "d_in", "d_v")]))
+def test_any_named_scale_in_a_function_is_diagnosed(name: str) -> None:
+    value = SCALES[name][0](8, 32, 8, 32)  # heads of size 8, four of them
+
+    def scaled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return qkv.attention(q, k, v, scale=value, backend="reference")
+
+    report = check(scaled)
+    assert failed(report) == {"oracle", "scale"}, report.text()
+    assert SCALES[name][1].split(" ")[0].format(D=8, E=32) in report["scale"].detail
+
+
+def test_an_unnamed_scale_is_measured() -> None:
+    def scaled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return qkv.attention(q, k, v, scale=0.05, backend="reference")
+
+    detail = check(scaled)["scale"].detail
+    assert "0.05" in detail and "1/√8" in detail
+
+
+def test_heads_are_found_when_the_module_does_not_say() -> None:
+    class Anonymous(planted.Attention):
+        def __init__(self) -> None:
+            super().__init__(32, 4)
+            self.count = self.heads
+            del self.heads
+
+        def split(self, x: torch.Tensor) -> torch.Tensor:
+            self.heads = self.count
+            return super().split(x)
+
+    report = check(Anonymous())
+    assert report.ok, report.text()
+    assert "4 head(s)" in report["oracle"].detail
+
+
+def test_without_linear_layers_the_oracle_is_skipped_with_what_to_do() -> None:
+    class Raw(nn.Module):
+        def __init__(self, d_model: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(3 * d_model, d_model) / d_model**0.5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = F.linear(x, self.weight).chunk(3, dim=-1)
+            return qkv.attention(q, k, v)
+
+    report = check(Raw)
+    assert report["oracle"].status == "skip" and "nn.Linear" in report["oracle"].detail
+    assert report.ok
+
+
+def test_assert_attention_lists_the_failing_checks() -> None:
+    with pytest.raises(AssertionError, match=r"(?s)oracle: .*\nscale: your scale is 1/√32"):
+        assert_attention(planted.WrongScale)
+    report = assert_attention(qkv.SelfAttention(16, 2))
+    assert report.ok
+
+
+def test_it_adapts_to_constructor_names_and_says_what_to_pass() -> None:
+    class NeedsVocabulary(planted.Attention):
+        def __init__(self, d_model: int, vocabulary: int) -> None:
+            super().__init__(d_model)
+
+    with pytest.raises(CheckError, match="--init vocabulary="):
+        check(NeedsVocabulary)
+    assert check(NeedsVocabulary, init={"vocabulary": 100}).ok
+
+
+def test_a_call_that_fails_says_what_to_pass() -> None:
+    class WantsTokens(nn.Module):
+        d_model = 32
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("expected integer token ids")
+
+    with pytest.raises(CheckError, match=r"(?s)expected integer token ids.*--forward"):
+        check(WantsTokens())
+
+
+def test_an_output_that_is_not_a_tensor_is_explained() -> None:
+    class ReturnsDict(planted.Attention):
+        def forward(self, x: torch.Tensor, **kwargs: object) -> dict[str, torch.Tensor]:  # type: ignore[override]
+            return {"out": super().forward(x)}  # type: ignore[dict-item]
+
+    with pytest.raises(CheckError, match="first item is the output tensor"):
+        check(ReturnsDict)
+
+
+def test_results_have_a_known_id_and_status() -> None:
+    with pytest.raises(ValueError, match="id must be one of"):
+        Result("speed", "pass", "")
+    with pytest.raises(ValueError, match="status must be one of"):
+        Result("scale", "ok", "")
+
+
+def test_the_check_leaves_the_random_state_and_the_module_as_they_were() -> None:
+    layer = qkv.SelfAttention(16, 2).train()
+    state = torch.get_rng_state()
+    weights = {k: v.clone() for k, v in layer.state_dict().items()}
+    check(layer)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(torch.equal(v, weights[k]) for k, v in layer.state_dict().items())
