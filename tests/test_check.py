@@ -145,16 +145,32 @@ PLANTED = {
     "softmax over the wrong axis": (planted.SoftmaxOverQueries, "oracle", ["wrong axis", "dim=-1"]),
     "tiny mask fill": (planted.TinyMaskFill, "padding", ["1e-20", "-inf"]),
     "positive mask fill": (planted.PositiveMaskFill, "padding", ["large positive", "-inf"]),
-    "heads split without transpose": (planted.SplitWithoutTranspose, "oracle", ["split", "transpose"]),
-    "heads merged without transpose": (planted.MergeWithoutTranspose, "oracle", ["merged", "transpose"]),
-    "causal mask hides the diagonal": (planted.CausalHidesDiagonal, "causal", ["diagonal", "j <= i"]),
+    "heads split without transpose": (
+        planted.SplitWithoutTranspose,
+        "oracle",
+        ["split", "transpose"],
+    ),
+    "heads merged without transpose": (
+        planted.MergeWithoutTranspose,
+        "oracle",
+        ["merged", "transpose"],
+    ),
+    "causal mask hides the diagonal": (
+        planted.CausalHidesDiagonal,
+        "causal",
+        ["diagonal", "j <= i"],
+    ),
     "causal mask flipped": (planted.CausalFlipped, "causal", ["flipped", "future"]),
     "dropout in eval": (planted.DropoutInEval, "dropout", ["eval mode", "training=self.training"]),
     "NaN on a fully padded row": (planted.NaNOnFullyPadded, "fully-masked", ["NaN", "0/0"]),
     "batch mixing": (planted.BatchMixing, "batch", ["changing item 1 changes item 0", "mix"]),
-    "padding broadcast over queries": (planted.PaddingOverQueries, "padding", ["queries", "(B, 1, 1, L)"]),
+    "padding broadcast over queries": (
+        planted.PaddingOverQueries,
+        "padding",
+        ["queries", "(B, 1, 1, L)"],
+    ),
     "crash on an empty sequence": (planted.CrashOnEmpty, "empty", ["L = 0 raised", "max"]),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("defect", PLANTED)
