@@ -113,10 +113,9 @@ def oracle(ctx: Context) -> Result:
     heads = finding.heads if finding else (ctx.target.heads or 1)
     miss = right_error(cap, ctx.setting(), heads)
     if finding is not None:
+        evidence = _evidence(said, miss, finding)
         return Result(
-            "oracle",
-            "fail",
-            f"differs from {said} by {_num(miss)}: {finding.explain()} ({cap.source})",
+            "oracle", "fail", f"{_sentence(finding.explain())}. {evidence} ({cap.source})"
         )
     return Result(
         "oracle",
@@ -124,6 +123,17 @@ def oracle(ctx: Context) -> Result:
         f"differs from {said} on its own Q, K, V by {_num(miss)}; "
         "none of the usual mistakes (scale, softmax axis, head split or merge) explains "
         f"it ({cap.source})",
+    )
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def _evidence(said: str, miss: float, finding: Finding) -> str:
+    return (
+        f"The evidence: from its own Q, K, V, {said} misses its output by {_num(miss)}, while "
+        f"the same computation with this mistake in it gives its output to {_num(finding.error)}"
     )
 
 
@@ -137,7 +147,10 @@ def scale(ctx: Context) -> Result:
         numbers = finding.numbers
         right = f"1/√{numbers['D']} = 1/√head_dim ({finding.heads} head(s) of size {numbers['D']})"
         if finding.mistake.check == "scale":
-            return Result("scale", "fail", finding.explain())
+            miss = right_error(cap, ctx.setting(), finding.heads)
+            said = _oracle_said(ctx, finding, False)
+            evidence = _evidence(said, miss, finding)
+            return Result("scale", "fail", f"{_sentence(finding.explain())}. {evidence}")
         if finding.mistake.name == "right":
             return Result("scale", "pass", f"the scale is {right}, as it must be")
         return Result(

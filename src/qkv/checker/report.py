@@ -86,7 +86,8 @@ def render(report: Report, console: Any) -> None:
 
     console.print()
     verdict = "[bold green]ok[/]" if report.ok else "[bold red]failed[/]"
-    console.rule(f"[bold]qkv check[/] {escape(report.target)} · {verdict}")
+    console.rule(f"[bold]qkv check[/] · {verdict}")
+    console.print(f"  [bold]{escape(report.target)}[/]", soft_wrap=True)
     for name, value in report.detected.items():
         console.print(f"  [dim]{escape(name)}:[/] {escape(str(value))}")
     table = Table(show_header=True, header_style="bold", expand=True, show_lines=True)
@@ -101,5 +102,5 @@ def render(report: Report, console: Any) -> None:
     counts = {s: sum(r.status == s for r in report.checks) for s in STATUSES}
     console.print(
         f"  {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped "
-        f"in {report.seconds:.1f} s"
+        f"in {report.seconds:.2f} s"
     )
