@@ -298,3 +298,50 @@ def test_the_check_leaves_the_random_state_and_the_module_as_they_were() -> None
     check(layer)
     assert torch.equal(torch.get_rng_state(), state)
     assert all(torch.equal(v, weights[k]) for k, v in layer.state_dict().items())
+
+
+@pytest.mark.filterwarnings("ignore:The use of `x.T`")
+def test_an_implementation_that_only_runs_unbatched_is_told_why() -> None:
+    class KeysDotT(planted.Attention):  # tutorial 004's keys.T works on (L, E) only
+        def forward(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:  # type: ignore[override]
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            return torch.softmax(q @ k.T / self.head_dim**0.5, dim=-1) @ v
+
+    with pytest.raises(
+        CheckError, match=r"runs on one sequence x \(7, 32\).*\.transpose\(-2, -1\)"
+    ):
+        check(KeysDotT)
+
+
+def test_functions_over_one_head_and_every_mask_encoding() -> None:
+    def one_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.dim() != 3:
+            raise ValueError("q must be (B, L, D)")
+        return torch.softmax(q @ k.transpose(1, 2) / q.shape[-1] ** 0.5, dim=-1) @ v
+
+    report = check(one_head)
+    assert report.ok and report.detected["inputs"] == "q, k, v (B, L, D)"
+
+    def additive(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+        if attn_mask is not None:
+            scores = scores + attn_mask
+        return torch.softmax(scores, dim=-1) @ v
+
+    report = check(additive)
+    assert report.detected["mask"] == "attn_mask (B, 1, 1, L), float 0 / -inf"
+    assert failed(report) == {"fully-masked"}  # all -inf rows: NaN
+
+    def ones_and_zeros(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        keep = None if attention_mask is None else attention_mask[:, None, None, :].bool()
+        return qkv.attention(q, k, v, mask=keep)
+
+    report = check(ones_and_zeros)
+    assert report.ok and report.detected["mask"].startswith("attention_mask (B, L), ")

@@ -51,12 +51,13 @@ class Context:
         way the probe found."""
         chosen = target or (self.causal_target if causal else self.target)
         assert chosen is not None
+        inputs = inputs or self.inputs
         mask = None
         if keep is not None:
             assert self.probe.encoding is not None
-            mask = self.probe.encoding.encode(keep)
+            mask = self.probe.encoding.encode(keep, inputs.dtype)
         flag = causal and self.causal_mode == "flag"
-        return chosen.call(inputs or self.inputs, causal=flag, mask=mask, weights=weights)
+        return chosen.call(inputs, causal=flag, mask=mask, weights=weights)
 
     def setting(self, *, causal: bool = False, keep: torch.Tensor | None = None) -> Setting:
         d_in = self.target.width if self.target.kind == "module" else 0

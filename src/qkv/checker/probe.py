@@ -33,7 +33,8 @@ class Encoding:
     layout: str
     polarity: str
 
-    def encode(self, keep: torch.Tensor) -> torch.Tensor:
+    def encode(self, keep: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The mask for inputs of ``dtype`` (a float mask takes their dtype)."""
         length = keep.shape[-1]
         shaped = {
             "(B, L)": keep,
@@ -46,8 +47,8 @@ class Encoding:
         if self.polarity == "bool, True = ignore":
             return ~shaped
         if self.polarity == "1 = keep, 0 = ignore":
-            return shaped.float()
-        return torch.zeros(shaped.shape).masked_fill(~shaped, -math.inf)
+            return shaped.to(dtype)
+        return torch.zeros(shaped.shape, dtype=dtype).masked_fill(~shaped, -math.inf)
 
     def describe(self, parameter: str) -> str:
         return f"{parameter} {self.layout}, {self.polarity}"

@@ -140,13 +140,13 @@ def dtypes(ctx: Context) -> Result:
                         ctx.inputs.to(dtype), causal=causal, keep=keep, target=chosen
                     ).rows
             except Exception as error:  # the implementation's own failure is the finding
-                return Result(
-                    "dtypes",
-                    "fail",
-                    f"{dtype} ({name}) raised {_error(error)}; "
+                hint = (
                     "fills like -1e9 overflow float16: use float('-inf') or "
-                    "torch.finfo(scores.dtype).min",
+                    "torch.finfo(scores.dtype).min"
+                    if "overflow" in str(error)
+                    else f"inputs, parameters and any float mask are all {dtype}"
                 )
+                return Result("dtypes", "fail", f"{dtype} ({name}) raised {_error(error)}; {hint}")
             real = slice(None) if keep is None else keep
             miss = difference(rows.float()[real], reference[real])
             limit = relative * (1 + float(reference[real].abs().max()))

@@ -125,13 +125,29 @@ def _first_call_failed(target: Target, error: Exception) -> str:
     shape = tuple(target.inputs(2, 7).tensors[0].shape)
     what = "x" if target.kind == "module" else "q, k, v"
     asked = ", ".join(f"{k}={v!r}" for k, v in target.forward.items())
+    said = f"{target.name} failed on {what} of shape {shape}" + (f" with {asked}" if asked else "")
+    said += f": {type(error).__name__}: {str(error).rstrip('.')}."
+    if target.kind == "module" and _runs_unbatched(target):
+        return (
+            f"{said} It runs on one sequence x ({shape[1]}, {shape[2]}) but not on a batch: "
+            "something in it assumes two dims, often .T on a 3-dim tensor (it reverses all "
+            "dims); use .transpose(-2, -1) so that it works on (B, L, E)"
+        )
     return (
-        f"{target.name} failed on {what} of shape {shape}"
-        + (f" with {asked}" if asked else "")
-        + f": {type(error).__name__}: {error}. If it needs other sizes or arguments, pass them: "
+        f"{said} If it needs other sizes or arguments, pass them: "
         "--init d_model=64,n_heads=4 (constructor), --forward name=value (every call), or "
         "check a small adapter module whose forward(x) calls it"
     )
+
+
+def _runs_unbatched(target: Target) -> bool:
+    x = target.inputs(1, 7).tensors[0][0]  # (L, E)
+    try:
+        with torch.no_grad():
+            target.impl(x, **target.forward)
+    except Exception:  # it fails unbatched too: the batch is not the problem
+        return False
+    return True
 
 
 def assert_attention(obj: Any, **options: Any) -> Report:
