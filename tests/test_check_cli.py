@@ -127,7 +127,7 @@ def test_examples_grade_every_tutorial_as_expected(capsys: pytest.CaptureFixture
     text = " ".join(out.split())
     assert code == 0
     assert "11 of 11 implementations graded as expected" in text
-    assert "masked scores are filled with a tiny number (like 1e-20)" in text
+    assert "Masked scores are filled with a tiny number (like 1e-20)" in text
     assert "1/√32 = 1/√d_in" in text
 
 

@@ -198,7 +198,9 @@ def causal(ctx: Context) -> Result:
     )
     if leak > tolerance(base) or math.isnan(leak):
         why = cause or _elsewhere(ctx)
-        return Result("causal", "fail", f"{said}: earlier positions see the future. {why}")
+        return Result(
+            "causal", "fail", f"{said}: earlier positions see the future. {_sentence(why)}"
+        )
     if bad_rows:
         return Result(
             "causal",
@@ -267,14 +269,16 @@ def padding(ctx: Context) -> Result:
     cause = _cause(finding, "padding")
     if change > tolerance(masked.rows) or math.isnan(change):
         why = cause or _elsewhere(ctx)
-        return Result("padding", "fail", f"{said}: padding leaks into real tokens. {why}")
+        return Result(
+            "padding", "fail", f"{said}: padding leaks into real tokens. {_sentence(why)}"
+        )
     if cause or not ctx.probe.exact:
         why = cause or _elsewhere(ctx)
         return Result(
             "padding",
             "fail",
             f"{said}, but the real tokens' outputs differ from "
-            f"running them alone by {_num(ctx.probe.error)}. {why}",
+            f"running them alone by {_num(ctx.probe.error)}. {_sentence(why)}",
         )
     return Result("padding", "pass", f"{said}; they equal the real tokens run alone")
 
@@ -310,6 +314,5 @@ def fully_masked(ctx: Context) -> Result:
             "NaN from ever being computed",
         )
     size = float(rows[0].detach().abs().max())
-    return Result(
-        "fully-masked", "pass", f"{said} (largest |output| {_num(size)}) and finite gradients"
-    )
+    note = "all zeros" if size == 0 else f"largest |output| {_num(size)}; qkv gives exactly 0"
+    return Result("fully-masked", "pass", f"{said} ({note}) and finite gradients")

@@ -163,7 +163,7 @@ def describe(ctx: Context) -> dict[str, Any]:
         found["inputs"] = "q, k, v " + ("(B, H, L, D)" if target.layout == "BHLD" else "(B, L, D)")
     else:
         found["input width"] = target.width
-    found["heads"] = target.heads if target.heads is not None else "not given (searched)"
+    found["heads"] = target.heads if target.heads is not None else "not given"
     found["causal"] = {
         "flag": f"forward argument {target.causal_param}=True",
         "init": f"constructor argument {target.causal_init}=True",
@@ -177,7 +177,7 @@ def describe(ctx: Context) -> dict[str, Any]:
         exact = "" if ctx.probe.exact else " (the best fit; no encoding masks exactly)"
         found["mask"] = encoding.describe(target.mask_param or "mask") + exact
     found["weights"] = (
-        f"returned ({tuple(ctx.base.weights.shape)})"
+        f"returned, {tuple(ctx.base.weights.shape)}"
         if ctx.base.weights is not None
         else (f"on request ({target.weights_param}=True)" if target.weights_param else "none")
     )

@@ -109,6 +109,9 @@ def _run_all(target: Target) -> Report:
     report = Report(target.name, detected=describe(ctx))
     for check_id, function in CHECKS:
         report.checks.append(_run_one(check_id, function, ctx))
+    plain = ctx.cache.get("plain")
+    if target.heads is None and plain is not None and plain[2] is not None:
+        report.detected["heads"] = f"{plain[2].heads} (not given: the count that reproduces it)"
     return report
 
 
