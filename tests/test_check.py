@@ -77,6 +77,8 @@ CORRECT = {
     "SelfAttention, 4 heads, causal": lambda: qkv.SelfAttention(32, 4, causal=True),
     "SelfAttention, class": lambda: qkv.SelfAttention,
     "SelfAttention, biases, dropout": lambda: qkv.SelfAttention(24, 3, bias=True, dropout=0.2),
+    "SelfAttention, grouped-query": lambda: qkv.SelfAttention(32, 4, kv_heads=2),
+    "SelfAttention, multi-query, causal": lambda: qkv.SelfAttention(32, 4, kv_heads=1, causal=True),
     "qkv.MultiheadAttention": lambda: qkv.MultiheadAttention(32, 4, batch_first=True),
     "torch MultiheadAttention, sequence first": lambda: nn.MultiheadAttention(32, 4),
     "nanoGPT": lambda: NanoCausalSelfAttention(NanoConfig()),
@@ -99,9 +101,11 @@ def test_correct_implementations_pass_every_check(name: str) -> None:
             assert "no " in result.detail
 
 
-def test_a_full_featured_layer_has_nothing_skipped() -> None:
-    report = check(qkv.SelfAttention(32, 4))
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_a_full_featured_layer_has_nothing_skipped(kv_heads: int) -> None:
+    report = check(qkv.SelfAttention(32, 4, kv_heads=kv_heads))
     assert not skipped(report)
+    assert "4 head(s)" in report["oracle"].detail
     assert report.detected["mask"] == "padding_mask (B, L), bool, True = keep"
     assert report.detected["causal"] == "forward argument causal=True"
 

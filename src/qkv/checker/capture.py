@@ -99,7 +99,7 @@ def _module_capture(x: torch.Tensor, output: Output, calls: list[_Call]) -> Capt
     projections = [c for c in linear if _reads(c, x)]
     if not projections:
         return _mha_capture(mha[-1]) if mha else None
-    split = _split_projections(projections)
+    split = _split_projections(projections, x.shape[-1])
     if split is None:
         return None
     q, k, v, what = split
@@ -124,14 +124,19 @@ def _role(name: str) -> str | None:
 
 
 def _split_projections(
-    calls: list[_Call],
+    calls: list[_Call], width: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str] | None:
+    """Q, K, V from the projection calls; ``width`` is x's (the usual width of Q)."""
     outs = [c.output.detach().double() for c in calls]
     names = ", ".join(f"{c.name} ({_shape(c.module)})" for c in calls)
-    if len(calls) == 1:
-        if outs[0].shape[-1] % 3:
+    if len(calls) == 1:  # [Q; K; V] stacked: thirds, or Q as wide as x and K, V narrower
+        fused = outs[0].shape[-1]
+        if fused != 3 * width and fused > width and (fused - width) % 2 == 0:
+            q, k, v = outs[0].split([width, (fused - width) // 2, (fused - width) // 2], dim=-1)
+        elif fused % 3 == 0:
+            q, k, v = outs[0].chunk(3, dim=-1)
+        else:
             return None
-        q, k, v = outs[0].chunk(3, dim=-1)
         return q, k, v, f"fused Q/K/V projection {names}"
     roles = [_role(c.name) for c in calls]
     if len(calls) == 2:  # queries, then keys and values fused (or named the other way round)

@@ -222,10 +222,13 @@ def _allowed(setting: Setting, mistake: Mistake, length: int) -> torch.Tensor | 
 
 def predict(cap: Capture, heads: int, setting: Setting, mistake: Mistake) -> torch.Tensor:
     """What an implementation with ``mistake`` outputs from these Q, K, V: (B, L, Ev)."""
-    q = _heads(cap.q, heads, mistake.split_transposed)  # (B, H, L, D)
-    k = _heads(cap.k, heads, mistake.split_transposed)
-    v = _heads(cap.v, heads, mistake.split_transposed)  # (B, H, L, Dv)
     numbers = _numbers(cap, heads, setting)
+    kv_heads = numbers["Hkv"]
+    q = _heads(cap.q, heads, mistake.split_transposed)  # (B, H, L, D)
+    k = _heads(cap.k, kv_heads, mistake.split_transposed)  # (B, Hkv, L, D)
+    v = _heads(cap.v, kv_heads, mistake.split_transposed)  # (B, Hkv, L, Dv)
+    if kv_heads != heads:  # grouped-query: key/value head j serves query heads j*g … j*g+g-1
+        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
     scale = SCALES[mistake.scale][0](numbers["D"], numbers["E"], numbers["Dv"], numbers["d_in"])
     allowed = _allowed(setting, mistake, q.shape[-2])
     plain = not mistake.scale_after_softmax and mistake.softmax_dim == -1
@@ -249,13 +252,25 @@ def predict(cap: Capture, heads: int, setting: Setting, mistake: Mistake) -> tor
 
 def _numbers(cap: Capture, heads: int, setting: Setting) -> dict[str, int]:
     width = cap.q.shape[-1]
+    size = width // heads
+    kv_heads = cap.k.shape[-1] // size  # fewer than heads: grouped-query attention
     return {
         "H": heads,
+        "Hkv": kv_heads,
         "E": width,
-        "D": width // heads,
-        "Dv": cap.v.shape[-1] // heads,
+        "D": size,
+        "Dv": cap.v.shape[-1] // kv_heads,
         "d_in": setting.d_in or width,
     }
+
+
+def _fits(cap: Capture, heads: int) -> bool:
+    """Whether Q, K, V split into ``heads`` query heads (and a divisor of them for K, V)."""
+    width, k_width, v_width = cap.q.shape[-1], cap.k.shape[-1], cap.v.shape[-1]
+    if width % heads or k_width % (width // heads):
+        return False
+    kv_heads = k_width // (width // heads)
+    return kv_heads > 0 and heads % kv_heads == 0 and v_width % kv_heads == 0
 
 
 def rows_to_compare(setting: Setting, cap: Capture) -> torch.Tensor:
@@ -286,10 +301,9 @@ def tolerance(cap: Capture) -> float:
 
 def head_counts(cap: Capture, known: int | None) -> list[int]:
     """The heads to try: the known count, else every divisor of the width (1 first)."""
-    width = cap.q.shape[-1]
-    if known is not None and width % known == 0 and cap.v.shape[-1] % known == 0:
+    if known is not None and _fits(cap, known):
         return [known]
-    return [h for h in range(1, width + 1) if width % h == 0 and cap.v.shape[-1] % h == 0]
+    return [h for h in range(1, cap.q.shape[-1] + 1) if _fits(cap, h)]
 
 
 def diagnose(

@@ -10,6 +10,7 @@ import torch
 from qkv.checker.context import BATCH, LENGTH, Context, difference, gradients_of, tolerance
 from qkv.checker.probe import padding_keep
 from qkv.checker.report import Result
+from qkv.checker.target import error_text
 
 DROPOUT_P = 0.5
 LOW = {torch.float16: 5e-3, torch.bfloat16: 4e-2}  # relative to float32: a few input roundings
@@ -17,11 +18,6 @@ LOW = {torch.float16: 5e-3, torch.bfloat16: 4e-2}  # relative to float32: a few 
 
 def _num(value: float) -> str:
     return f"{value:.3g}"
-
-
-def _error(error: Exception) -> str:
-    first = str(error).splitlines()[0].rstrip(". ") if str(error) else ""
-    return f"{type(error).__name__}: {first}"
 
 
 def batch(ctx: Context) -> Result:
@@ -105,7 +101,7 @@ def empty(ctx: Context) -> Result:
                 if length == 0
                 else ""
             )
-            return Result("empty", "fail", f"L = {length} raised {_error(error)}.{hint}")
+            return Result("empty", "fail", f"L = {length} raised {error_text(error)}.{hint}")
         if tuple(rows.shape[:2]) != (BATCH, length):
             return Result("empty", "fail", f"L = {length} gave shape {tuple(rows.shape)}")
         if not bool(rows.isfinite().all()):
@@ -146,7 +142,9 @@ def dtypes(ctx: Context) -> Result:
                     if "overflow" in str(error)
                     else f"inputs, parameters and any float mask are all {dtype}"
                 )
-                return Result("dtypes", "fail", f"{dtype} ({name}) raised {_error(error)}; {hint}")
+                return Result(
+                    "dtypes", "fail", f"{dtype} ({name}) raised {error_text(error)}; {hint}"
+                )
             real = slice(None) if keep is None else keep
             miss = difference(rows.float()[real], reference[real])
             limit = relative * (1 + float(reference[real].abs().max()))

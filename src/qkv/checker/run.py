@@ -22,7 +22,14 @@ from torch import nn
 from qkv.checker import checks, robustness
 from qkv.checker.context import Context, build, describe
 from qkv.checker.report import Report, Result
-from qkv.checker.target import CheckError, Target, from_class, from_function, from_module
+from qkv.checker.target import (
+    CheckError,
+    Target,
+    error_text,
+    from_class,
+    from_function,
+    from_module,
+)
 
 CHECKS: tuple[tuple[str, Callable[[Context], Result]], ...] = (
     ("shapes", checks.shapes),
@@ -119,9 +126,7 @@ def _run_one(check_id: str, function: Callable[[Context], Result], ctx: Context)
     try:
         return function(ctx)
     except Exception as error:  # the implementation crashed during this check: that is a finding
-        first = str(error).splitlines()[0] if str(error) else ""
-        return Result(check_id, "fail", f"the implementation raised {type(error).__name__}: "
-                      f"{first} during this check")  # fmt: skip
+        return Result(check_id, "fail", f"the implementation raised {error_text(error)}")
 
 
 def _first_call_failed(target: Target, error: Exception) -> str:
@@ -129,7 +134,7 @@ def _first_call_failed(target: Target, error: Exception) -> str:
     what = "x" if target.kind == "module" else "q, k, v"
     asked = ", ".join(f"{k}={v!r}" for k, v in target.forward.items())
     said = f"{target.name} failed on {what} of shape {shape}" + (f" with {asked}" if asked else "")
-    said += f": {type(error).__name__}: {str(error).rstrip('.')}."
+    said += f": {error_text(error)}."
     if target.kind == "module" and _runs_unbatched(target):
         return (
             f"{said} It runs on one sequence x ({shape[1]}, {shape[2]}) but not on a batch: "
@@ -187,7 +192,7 @@ def load(spec: str) -> Any:
         with _stdout_to_stderr():
             loader.loader.exec_module(module)
     except BaseException as error:  # anything its top level does, SystemExit included
-        raise CheckError(f"importing {path} raised {type(error).__name__}: {error}") from error
+        raise CheckError(f"importing {path} raised {error_text(error)}") from error
     finally:
         sys.path.remove(str(path.resolve().parent))
     if not hasattr(module, name):

@@ -49,6 +49,16 @@ class CheckError(Exception):
     """The implementation cannot be run; the message says what to pass so that it can."""
 
 
+def error_text(error: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message``, cut to ``limit`` characters (messages can hold
+    whole tensors)."""
+    lines = str(error).strip().splitlines()
+    first = lines[0].rstrip(". ") if lines else ""
+    if len(first) > limit:
+        first = first[:limit] + " …"
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
 @dataclass
 class Output:
     """One call's output, (B, L, F) rows (a function's (B, H, L, D) is merged), and its weights."""
@@ -284,7 +294,7 @@ def from_class(
         except Exception as error:  # the user's constructor: any failure is reported
             shown = ",".join(f"{k}={v!r}" for k, v in arguments.items())
             raise CheckError(
-                f"{name}({shown}) raised {type(error).__name__}: {error}; pass the right "
+                f"{name}({shown}) raised {error_text(error)}; pass the right "
                 "constructor arguments with --init name=value,..."
             ) from error
 
@@ -323,7 +333,7 @@ def from_function(fn: Callable[..., Any], name: str, forward: dict[str, Any]) ->
         except CheckError:
             raise
         except Exception as error:  # the user's function: any failure is reported
-            errors.append(f"{layout}: {type(error).__name__}: {error}")
+            errors.append(f"{layout}: {error_text(error)}")
             continue
         if output.rows.shape[:2] == (2, 7):
             return candidate
