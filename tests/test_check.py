@@ -136,7 +136,9 @@ def test_each_tutorial_is_graded_as_its_defect_says(example: tutorials.Example) 
 
 
 def test_tutorial_001s_blocked_mask_is_detected() -> None:
-    report = tutorials.check_example(tutorials.EXAMPLES[2])
+    report = tutorials.check_example(
+        tutorials.example("tutorial_001_the_cat_sat.py", "MultiHeadAttention")
+    )
     assert "True = ignore" in report.detected["mask"]
     assert report["padding"].status == "pass"
 
@@ -194,8 +196,34 @@ def test_the_causal_mask_mistakes_fail_only_with_causal_and_tiny_fills_leak_ther
     assert {"causal", "padding"} <= failed(check(planted.TinyMaskFill))
 
 
+@given(
+    heads=st.sampled_from([1, 2, 4]),
+    size=st.sampled_from([4, 8]),
+    causal=st.booleans(),
+    bias=st.booleans(),
+)
+def test_qkv_self_attention_of_any_shape_passes(
+    heads: int, size: int, causal: bool, bias: bool
+) -> None:
+    report = check(qkv.SelfAttention(heads * size, heads, bias=bias, causal=causal))
+    assert report.ok, report.text()
+    assert f"{heads} head(s) of size {size}" in report["scale"].detail
+
+
+@given(heads=st.sampled_from([2, 4, 8]), size=st.sampled_from([4, 8]))
+def test_a_d_model_scale_is_named_for_any_heads(heads: int, size: int) -> None:
+    class Layer(planted.WrongScale):
+        def __init__(self) -> None:
+            super().__init__(heads * size, heads)
+
+    detail = check(Layer)["scale"].detail
+    assert f"1/√{heads * size} = 1/√d_model" in detail and f"1/√{size} = 1/√d_k" in detail
+
+
 def test_a_wrong_scale_is_named_whatever_it_is() -> None:
-    report = tutorials.check_example(tutorials.EXAMPLES[7])
+    report = tutorials.check_example(
+        tutorials.example("tutorial_004_single_token.py", "SelfAttention")
+    )
     assert "1/√32 = 1/√d_in" in report["scale"].detail
     assert "1/√24" in report["scale"].detail
 

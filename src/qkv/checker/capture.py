@@ -1,10 +1,10 @@
 """The implementation's own Q, K and V, read from its Linear layers while it runs.
 
 Forward hooks on every ``nn.Linear`` record each call. The calls that read x are the Q, K, V
-projections (one fused call, or one per projection, told apart by their names); the last call
-that does not read x is the output projection, and its *input* is what the attention produced.
-With those, qkv recomputes the attention in float64 and compares it with what the implementation
-computed, before anything else in the module can blur the difference. ``torch``'s
+projections (one fused call, or one per projection, told apart by their names); the first call
+after them that does not read x is the output projection, and its *input* is what the attention
+produced. With those, qkv recomputes the attention in float64 and compares it with what the
+implementation computed, before anything else in the module can blur the difference. ``torch``'s
 ``nn.MultiheadAttention`` projects with its own weights, not Linear calls; it is read from them.
 Legend: B batch, H heads, L length, E features of all heads together.
 """
@@ -104,9 +104,9 @@ def _module_capture(x: torch.Tensor, output: Output, calls: list[_Call]) -> Capt
         return None
     q, k, v, what = split
     after = [c for c in linear[linear.index(projections[-1]) + 1 :] if not _reads(c, x)]
-    if after:
-        observed = after[-1].args[0]
-        what += f"; output projection {after[-1].name} (its input is the attention's output)"
+    if after:  # the first Linear after the projections reads what the attention produced
+        observed = after[0].args[0]
+        what += f"; output projection {after[0].name} (its input is the attention's output)"
     else:
         observed = output.rows
         what += "; no output projection (the output is the attention's output)"

@@ -59,6 +59,14 @@ EXAMPLES = (
 )
 
 
+def example(file: str, name: str) -> Example:
+    """The example ``name`` of the tutorial file ``file``."""
+    for found in EXAMPLES:
+        if (found.file, found.name) == (file, name):
+            return found
+    raise KeyError(f"no example {file}:{name}")
+
+
 def check_example(example: Example, folder: Path = FOLDER) -> Report:
     spec = f"{folder / example.file}:{example.name}"
     return check(load(spec), name=f"{example.file}:{example.name}")
