@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from qkv.checker.context import BATCH, LENGTH, Context, difference, gradients_of, tolerance
+from qkv.checker.compare import difference, tolerance
+from qkv.checker.context import BATCH, LENGTH, Context, gradients_of
 from qkv.checker.diagnose import Finding, fit_scale, right_error
 from qkv.checker.probe import PADDED, padding_keep
 from qkv.checker.report import Result

@@ -8,13 +8,13 @@ Legend: B batch, L length.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from qkv.checker.capture import Capture, run_captured
+from qkv.checker.compare import difference, tolerance
 from qkv.checker.diagnose import Finding, Setting, diagnose
 from qkv.checker.inputs import Inputs
 from qkv.checker.probe import Probe, padding_keep, probe
@@ -52,12 +52,16 @@ class Context:
         chosen = target or (self.causal_target if causal else self.target)
         assert chosen is not None
         inputs = inputs or self.inputs
-        mask = None
-        if keep is not None:
-            assert self.probe.encoding is not None
-            mask = self.probe.encoding.encode(keep, inputs.dtype)
+        mask = self.mask(keep, inputs.dtype)
         flag = causal and self.causal_mode == "flag"
         return chosen.call(inputs, causal=flag, mask=mask, weights=weights)
+
+    def mask(self, keep: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """The (B, L) keep mask in the encoding the probe found (None: no mask)."""
+        if keep is None:
+            return None
+        assert self.probe.encoding is not None
+        return self.probe.encoding.encode(keep, dtype)
 
     def setting(self, *, causal: bool = False, keep: torch.Tensor | None = None) -> Setting:
         d_in = self.target.width if self.target.kind == "module" else 0
@@ -71,32 +75,13 @@ class Context:
             keep = padding_keep(BATCH, LENGTH) if padded else None
             chosen = self.causal_target if causal else self.target
             assert chosen is not None
-            mask = None if keep is None else self.probe.encoding.encode(keep)  # type: ignore[union-attr]
+            mask = self.mask(keep, self.inputs.dtype)
             flag = causal and self.causal_mode == "flag"
             output, cap = run_captured(chosen, self.inputs, causal=flag, mask=mask)
             setting = self.setting(causal=causal, keep=keep)
             finding = None if cap is None else diagnose(cap, setting, self.target.heads)
             self.cache[name] = (output, cap, finding)
         return self.cache[name]
-
-
-def difference(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest absolute difference; inf when shapes differ or a NaN appears in one only."""
-    if a.shape != b.shape:
-        return math.inf
-    both_nan = a.isnan() & b.isnan()
-    value = (a.double() - b.double()).masked_fill(both_nan, 0.0).abs()
-    if value.numel() == 0:
-        return 0.0
-    found = float(value.max())
-    return math.inf if math.isnan(found) else found
-
-
-def tolerance(reference: torch.Tensor, dtype: torch.dtype = torch.float32) -> float:
-    """Round-off allowed between two computations of an output of this size in ``dtype``."""
-    finite = reference[reference.isfinite()]
-    magnitude = float(finite.abs().max()) if finite.numel() else 1.0
-    return 1000 * torch.finfo(dtype).eps * (1.0 + magnitude)
 
 
 def gradients_of(

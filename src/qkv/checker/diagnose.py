@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from qkv.checker.capture import Capture
+from qkv.checker.compare import difference, tolerance
 from qkv.functional import attention
 
 MASKED_TINY = 1e-20  # a "very small" fill: after softmax it is weight like any other score
@@ -283,20 +284,7 @@ def error(cap: Capture, predicted: torch.Tensor, rows: torch.Tensor) -> float:
     """Largest difference over the compared rows (inf if the shapes differ or NaN appears)."""
     if predicted.shape != cap.observed.shape:
         return math.inf
-    difference = (predicted - cap.observed)[rows]
-    both_nan = predicted[rows].isnan() & cap.observed[rows].isnan()
-    difference = difference.masked_fill(both_nan, 0.0)
-    if difference.numel() == 0:
-        return 0.0
-    value = float(difference.abs().max())
-    return math.inf if math.isnan(value) else value
-
-
-def tolerance(cap: Capture) -> float:
-    """Float32 round-off of an attention output of this size (Q, K, V are float32)."""
-    finite = cap.observed[cap.observed.isfinite()]
-    magnitude = float(finite.abs().max()) if finite.numel() else 1.0
-    return 1000 * torch.finfo(torch.float32).eps * (1.0 + magnitude)
+    return difference(predicted[rows], cap.observed[rows])
 
 
 def head_counts(cap: Capture, known: int | None) -> list[int]:
@@ -311,7 +299,7 @@ def diagnose(
 ) -> Finding | None:
     """The first candidate (the right computation first) that reproduces the output."""
     rows = rows_to_compare(setting, cap)
-    limit = tolerance(cap)
+    limit = tolerance(cap.observed)
     for mistake in list(mistakes) or candidates(setting, cap.per_head):
         for heads in head_counts(cap, known_heads):
             predicted = predict(cap, heads, setting, mistake)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from qkv.checker.capture import run_captured
+from qkv.checker.compare import difference, tolerance
 from qkv.checker.diagnose import MASK_MISTAKES, Setting, candidates, diagnose
 from qkv.checker.inputs import Inputs
 from qkv.checker.target import Target
@@ -74,12 +75,6 @@ def padding_keep(batch: int, length: int) -> torch.Tensor:
     return keep
 
 
-def _tolerance(reference: torch.Tensor) -> float:
-    finite = reference[reference.isfinite()]
-    magnitude = float(finite.abs().max()) if finite.numel() else 1.0
-    return 1000 * torch.finfo(torch.float32).eps * (1.0 + magnitude)
-
-
 def alone(target: Target, inputs: Inputs, causal: bool) -> torch.Tensor:
     """Item 0's real tokens run alone (no padding at all): what masking must reproduce."""
     real = Inputs(
@@ -105,9 +100,8 @@ def probe(target: Target, inputs: Inputs, causal: bool = False) -> Probe:
                 continue
             if rows.shape[:2] != keep.shape:
                 continue
-            miss = float((rows[:1, PADDED:] - reference).abs().max())
-            miss = math.inf if math.isnan(miss) else miss
-            if miss <= _tolerance(reference):
+            miss = difference(rows[:1, PADDED:], reference)
+            if miss <= tolerance(reference):
                 return Probe(encoding, True, miss, len(ENCODINGS))
             runnable.append((encoding, miss))
     if not runnable:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from qkv.checker.context import BATCH, LENGTH, Context, difference, gradients_of, tolerance
+from qkv.checker.compare import difference, tolerance
+from qkv.checker.context import BATCH, LENGTH, Context, gradients_of
 from qkv.checker.probe import padding_keep
 from qkv.checker.report import Result
 from qkv.checker.target import error_text

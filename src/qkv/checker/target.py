@@ -8,6 +8,7 @@ Legend: B batch, H heads, L length, E model width, D head size.
 
 from __future__ import annotations
 
+import ast
 import copy
 import inspect
 import types
@@ -170,8 +171,6 @@ def normalise(result: Any, inputs: Inputs, layout: str) -> Output:
 
 def parse_options(text: str | None, option: str) -> dict[str, Any]:
     """``"d_model=64,n_heads=4,causal=True"`` -> a dict of Python values (strings kept as text)."""
-    import ast
-
     options: dict[str, Any] = {}
     for part in (text or "").split(","):
         if not part.strip():
@@ -207,10 +206,10 @@ def _attribute(module: nn.Module, names: tuple[str, ...]) -> int | None:
 
 
 def _with_params(target: Target, params: Mapping[str, Any], forward: dict[str, Any]) -> Target:
-    given = set(forward)
+    given = set(forward)  # what --forward fixes is not the checker's to vary
     return replace(
         target,
-        causal_param=None if "causal" in given else _first(CAUSAL_NAMES, params),
+        causal_param=None if given & set(CAUSAL_NAMES) else _first(CAUSAL_NAMES, params),
         mask_param=_first(tuple(n for n in MASK_NAMES if n not in given), params),
         weights_param=_first(tuple(n for n in WEIGHT_NAMES if n not in given), params),
         forward=forward,
@@ -359,6 +358,7 @@ class SelfAttentionView(nn.Module):
         self.mha = mha
         self.embed_dim: int = int(mha.embed_dim)
         self.num_heads: int = int(mha.num_heads)
+        self.train(bool(mha.training))  # the view starts in the mode the layer is in
 
     def forward(
         self,
