@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,54 @@ def test_examples_grade_every_tutorial_as_expected(capsys: pytest.CaptureFixture
 def test_nothing_to_check_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = qkv_check(capsys)
     assert code == 2 and "FILE.py:NAME" in err
+
+
+NANOGPT = textwrap.dedent(
+    """
+    from dataclasses import dataclass
+
+    from torch import nn
+    from torch.nn import functional as F
+
+
+    @dataclass
+    class GPTConfig:
+        block_size: int = 64
+        n_embd: int = 48
+        n_head: int = 6
+        dropout: float = 0.1
+        bias: bool = True
+
+
+    class CausalSelfAttention(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+            self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+            self.n_head, self.n_embd = config.n_head, config.n_embd
+            self.dropout = config.dropout
+
+        def forward(self, x):
+            B, T, C = x.size()
+            q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+            q, k, v = (
+                t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v)
+            )
+            p = self.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+    """
+)
+
+
+def test_a_nanogpt_file_with_a_dataclass_config(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    source = tmp_path / "model.py"
+    source.write_text(NANOGPT)
+    code, out, _ = qkv_check(capsys, f"{source}:CausalSelfAttention", "--json", "-")
+    report = json.loads(out)
+    assert code == 0, report
+    assert report["detected"]["causal"].startswith("always")
+    dropout = next(c for c in report["checks"] if c["id"] == "dropout")
+    assert "dropout=0.5" in dropout["detail"] and "it drops" in dropout["detail"]

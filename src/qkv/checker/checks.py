@@ -68,7 +68,7 @@ def weights(ctx: Context) -> Result:
     smallest = float(found.min()) if found.numel() else 0.0
     sums = found.sum(-1)
     miss = float((sums - 1).abs().max()) if sums.numel() else 0.0
-    limit = LENGTH * 100 * torch.finfo(torch.float32).eps
+    limit = tolerance(sums)
     said = f"weights {tuple(found.shape)}: smallest {_num(smallest)}, rows sum to 1 ± {_num(miss)}"
     if not bool(found.isfinite().all()):
         return Result("weights", "fail", f"{said}; the weights hold NaN or inf")

@@ -187,11 +187,13 @@ def load(spec: str) -> Any:
     loader = importlib.util.spec_from_file_location(module_name, path)
     assert loader is not None and loader.loader is not None
     module = importlib.util.module_from_spec(loader)
+    sys.modules[module_name] = module  # dataclasses and pickling look their module up there
     sys.path.insert(0, str(path.resolve().parent))
     try:
         with _stdout_to_stderr():
             loader.loader.exec_module(module)
     except BaseException as error:  # anything its top level does, SystemExit included
+        del sys.modules[module_name]
         raise CheckError(f"importing {path} raised {error_text(error)}") from error
     finally:
         sys.path.remove(str(path.resolve().parent))
