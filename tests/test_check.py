@@ -64,6 +64,38 @@ class NanoCausalSelfAttention(nn.Module):
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
+class AnnotatedMultiHeaded(nn.Module):
+    """The annotated transformer's layer: forward(query, key, value, mask), a functional
+    ``attention`` returning (out, p_attn), masked scores filled with -1e9."""
+
+    def __init__(self, h: int, d_model: int, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.d_k, self.h = d_model // h, h
+        self.linears = nn.ModuleList([nn.Linear(d_model, d_model) for _ in range(4)])
+        self.dropout = nn.Dropout(p=dropout)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if mask is not None:
+            mask = mask.unsqueeze(1)
+        batch = query.size(0)
+        query, key, value = (
+            lin(x).view(batch, -1, self.h, self.d_k).transpose(1, 2)
+            for lin, x in zip(self.linears, (query, key, value))
+        )
+        scores = query @ key.transpose(-2, -1) / math.sqrt(self.d_k)
+        if mask is not None:
+            scores = scores.masked_fill(mask == 0, -1e9)
+        p_attn = self.dropout(scores.softmax(dim=-1))
+        x = (p_attn @ value).transpose(1, 2).contiguous().view(batch, -1, self.h * self.d_k)
+        return self.linears[-1](x)
+
+
 class NanoFromConfig(NanoCausalSelfAttention):
     """Built by qkv check itself from a config object with the usual names."""
 
@@ -108,6 +140,16 @@ def test_a_full_featured_layer_has_nothing_skipped(kv_heads: int) -> None:
     assert "4 head(s)" in report["oracle"].detail
     assert report.detected["mask"] == "padding_mask (B, L), bool, True = keep"
     assert report.detected["causal"] == "forward argument causal=True"
+
+
+def test_the_annotated_transformers_minus_1e9_fill_overflows_float16() -> None:
+    """forward(query, key, value, mask) is called with x three times; -1e9 masks well enough in
+    float32 (and a row with no key averages the values, finite), but float16 cannot hold it."""
+    report = check(AnnotatedMultiHeaded)
+    assert failed(report) == {"dtypes"}, report.text()
+    assert "overflow" in report["dtypes"].detail and "-inf" in report["dtypes"].detail
+    assert report.detected["mask"].startswith("mask (B, 1, L), bool, True = keep")
+    assert "linears.0, linears.1, linears.2" in report["oracle"].detail.replace(" (32 → 32)", "")
 
 
 def test_always_causal_modules_are_detected_as_such() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from qkv.checker.report import Report, render
 from qkv.checker.run import check, load
-from qkv.checker.target import CheckError, parse_options
+from qkv.checker.target import CheckError, error_text, parse_options
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         )
     except CheckError as error:
         return _say_error(str(error))
+    except Exception as error:  # never a traceback: whatever stopped it, said in one line
+        return _say_error(f"qkv check could not run {args.spec}: {error_text(error)}")
     _show(report, to_stdout=args.json == "-")
     if args.json:
         try:

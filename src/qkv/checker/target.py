@@ -89,6 +89,7 @@ class Target:
     dropout_init: str | None = None
     config_param: str | None = None  # nanoGPT style: the one constructor argument is a config
     forward: dict[str, Any] = field(default_factory=dict)
+    query_key_value: bool = False  # forward(query, key, value): x is passed three times
 
     @property
     def module(self) -> nn.Module | None:
@@ -144,7 +145,8 @@ class Target:
             kwargs[self.mask_param] = mask
         if weights and self.weights_param is not None:
             kwargs[self.weights_param] = True
-        result = self.impl(*inputs.tensors, **kwargs)
+        tensors = inputs.tensors * 3 if self.query_key_value else inputs.tensors
+        result = self.impl(*tensors, **kwargs)
         return normalise(result, inputs, self.layout)
 
 
@@ -232,8 +234,11 @@ def from_module(
             )
         width = first.in_features
     heads = _attribute(module, HEAD_NAMES)
-    params = _forward_params(module.forward, skip=1)
-    target = Target(name, "module", module, width, heads, None)
+    every = _forward_params(module.forward, skip=0)
+    required = [p for p in every.values() if p.default is p.empty and p.name not in forward]
+    query_key_value = len(required) >= 3  # forward(query, key, value, ...)
+    params = dict(list(every.items())[3 if query_key_value else 1 :])
+    target = Target(name, "module", module, width, heads, None, query_key_value=query_key_value)
     return _with_params(target, params, forward)
 
 
