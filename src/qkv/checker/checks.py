@@ -263,12 +263,15 @@ def padding(ctx: Context) -> Result:
         f"{PADDED} tokens padded, changing them changes the real tokens' outputs by "
         f"{_num(change)}"
     )
+    leaked, allowed = 0.0, 0.0
     if masked.weights is not None:
         leaked = float(masked.weights[0, ..., PADDED:, :PADDED].double().abs().max())
+        allowed = tolerance(masked.weights)
         said += f"; real queries give padded keys weight up to {_num(leaked)}"
     _, _, finding = ctx.diagnosed("padding", padded=True)
     cause = _cause(finding, "padding")
-    if change > tolerance(masked.rows) or math.isnan(change):
+    leaks = change > tolerance(masked.rows) or leaked > allowed
+    if leaks or math.isnan(change) or math.isnan(leaked):
         why = cause or _elsewhere(ctx)
         return Result(
             "padding", "fail", f"{said}: padding leaks into real tokens. {_sentence(why)}"

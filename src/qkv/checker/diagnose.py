@@ -287,11 +287,13 @@ def error(cap: Capture, predicted: torch.Tensor, rows: torch.Tensor) -> float:
     return difference(predicted[rows], cap.observed[rows])
 
 
-def head_counts(cap: Capture, known: int | None) -> list[int]:
-    """The heads to try: the known count, else every divisor of the width (1 first)."""
-    if known is not None and _fits(cap, known):
-        return [known]
-    return [h for h in range(1, cap.q.shape[-1] + 1) if _fits(cap, h)]
+def head_counts(cap: Capture, known: int | None) -> list[list[int]]:
+    """The head counts to try, in rounds: the known count first (when it fits), then every
+    other count that splits the widths (1 first) — a count read from an attribute can be wrong."""
+    every = [h for h in range(1, cap.q.shape[-1] + 1) if _fits(cap, h)]
+    if known is None or known not in every:
+        return [every]
+    return [[known], [h for h in every if h != known]]
 
 
 def diagnose(
@@ -300,12 +302,13 @@ def diagnose(
     """The first candidate (the right computation first) that reproduces the output."""
     rows = rows_to_compare(setting, cap)
     limit = tolerance(cap.observed)
-    for mistake in list(mistakes) or candidates(setting, cap.per_head):
-        for heads in head_counts(cap, known_heads):
-            predicted = predict(cap, heads, setting, mistake)
-            difference = error(cap, predicted, rows)
-            if difference <= limit:
-                return Finding(mistake, heads, difference, _numbers(cap, heads, setting))
+    chosen = list(mistakes) or candidates(setting, cap.per_head)
+    for counts in head_counts(cap, known_heads):
+        for mistake in chosen:
+            for heads in counts:
+                miss = error(cap, predict(cap, heads, setting, mistake), rows)
+                if miss <= limit:
+                    return Finding(mistake, heads, miss, _numbers(cap, heads, setting))
     return None
 
 

@@ -86,29 +86,31 @@ def dropout(ctx: Context) -> Result:
     return Result("dropout", "pass", f"{said}; no dropout in train mode either (p = 0 or none)")
 
 
+EMPTY_HINT = (
+    " An empty sequence must give an empty output: a reduction such as max(dim=-1) over no "
+    "keys fails; guard it or return early."
+)
+
+
 def empty(ctx: Context) -> Result:
     results = []
+    rules = [False, True] if ctx.causal_mode in ("flag", "init") else [False]
     for length in (0, 1):
-        inputs = ctx.target.inputs(BATCH, length, seed=3)
-        try:
-            with torch.no_grad():
-                rows = ctx.call(inputs).rows
-        except Exception as error:  # the implementation's own failure is the finding
-            hint = (
-                (
-                    " An empty sequence must give an empty output: a reduction such as "
-                    "max(dim=-1) over no keys fails; guard it or return early."
-                )
-                if length == 0
-                else ""
-            )
-            return Result("empty", "fail", f"L = {length} raised {error_text(error)}.{hint}")
-        if tuple(rows.shape[:2]) != (BATCH, length):
-            return Result("empty", "fail", f"L = {length} gave shape {tuple(rows.shape)}")
-        if not bool(rows.isfinite().all()):
-            return Result("empty", "fail", f"L = {length} gave NaN/inf outputs")
+        for causal in rules:
+            said = f"L = {length}" + (" (causal)" if causal else "")
+            try:
+                with torch.no_grad():
+                    rows = ctx.call(ctx.target.inputs(BATCH, length, seed=3), causal=causal).rows
+            except Exception as error:  # the implementation's own failure is the finding
+                hint = EMPTY_HINT if length == 0 else ""
+                return Result("empty", "fail", f"{said} raised {error_text(error)}.{hint}")
+            if tuple(rows.shape[:2]) != (BATCH, length):
+                return Result("empty", "fail", f"{said} gave shape {tuple(rows.shape)}")
+            if not bool(rows.isfinite().all()):
+                return Result("empty", "fail", f"{said} gave NaN/inf outputs")
         results.append(f"L = {length} gives {tuple(rows.shape)}")
-    return Result("empty", "pass", "; ".join(results) + ", finite")
+    causal_too = " (with and without causal)" if len(rules) > 1 else ""
+    return Result("empty", "pass", "; ".join(results) + f", finite{causal_too}")
 
 
 def _configs(ctx: Context) -> list[tuple[str, bool, torch.Tensor | None]]:
@@ -163,23 +165,29 @@ def dtypes(ctx: Context) -> Result:
 
 
 def gradients(ctx: Context) -> Result:
-    inputs = ctx.inputs.with_grad()
-    rows = ctx.call(inputs).rows
-    direction = torch.randn(rows.shape, generator=torch.Generator().manual_seed(5))
-    grads = gradients_of((rows * direction).sum(), inputs, ctx.target)
-    missing = [name for name, g in grads.items() if g is None and name.startswith("input")]
-    bad = [name for name, g in grads.items() if g is not None and not bool(g.isfinite().all())]
-    if missing or bad:
-        return Result(
-            "gradients",
-            "fail",
-            f"backward gives no gradient to {missing} and NaN/inf gradients to {bad}",
-        )
-    largest = max(float(g.abs().max()) for g in grads.values() if g is not None and g.numel())
-    count = sum(g is not None for g in grads.values())
+    found: dict[str, torch.Tensor | None] = {}
+    for name, causal, keep in _configs(ctx):
+        inputs = ctx.inputs.with_grad()
+        rows = ctx.call(inputs, causal=causal, keep=keep).rows
+        direction = torch.randn(rows.shape, generator=torch.Generator().manual_seed(5))
+        if keep is not None:  # padded queries' outputs are free: only real ones carry a loss
+            direction = direction * keep[:, :, None]
+        grads = gradients_of((rows * direction).sum(), inputs, ctx.target)
+        missing = [n for n, g in grads.items() if g is None and n.startswith("input")]
+        bad = [n for n, g in grads.items() if g is not None and not bool(g.isfinite().all())]
+        if missing or bad:
+            return Result(
+                "gradients",
+                "fail",
+                f"backward ({name}) gives no gradient to {missing} and NaN/inf gradients to {bad}",
+            )
+        found.update(grads)
+    largest = max(float(g.abs().max()) for g in found.values() if g is not None and g.numel())
+    count = sum(g is not None for g in found.values())
+    runs = ", ".join(name for name, _, _ in _configs(ctx))
     return Result(
         "gradients",
         "pass",
-        f"backward gives finite gradients to {count} tensors "
+        f"backward ({runs}) gives finite gradients to {count} tensors "
         f"(inputs and parameters; largest |∂| {_num(largest)})",
     )
