@@ -419,3 +419,13 @@ def test_functions_over_one_head_and_every_mask_encoding() -> None:
 
     report = check(ones_and_zeros)
     assert report.ok and report.detected["mask"].startswith("attention_mask (B, L), ")
+
+
+def test_a_misleading_head_attribute_is_not_trusted() -> None:
+    class Layer(planted.Attention):
+        n_heads = 2  # read before ``heads`` as the head count; the layer has 4
+
+    report = check(Layer(32, 4))
+    assert report.ok, report.text()
+    assert "4 head(s)" in report["oracle"].detail
+    assert report.detected["heads"] == "4 (its attribute says 2; 4 reproduces its output)"

@@ -117,8 +117,10 @@ def _run_all(target: Target) -> Report:
     for check_id, function in CHECKS:
         report.checks.append(_run_one(check_id, function, ctx))
     plain = ctx.cache.get("plain")
-    if target.heads is None and plain is not None and plain[2] is not None:
-        report.detected["heads"] = f"{plain[2].heads} (not given: the count that reproduces it)"
+    found = None if plain is None or plain[2] is None else plain[2].heads
+    if found is not None and found != target.heads:
+        said = "not given" if target.heads is None else f"its attribute says {target.heads}"
+        report.detected["heads"] = f"{found} ({said}; {found} reproduces its output)"
     return report
 
 
