@@ -322,7 +322,9 @@ def test_without_linear_layers_the_oracle_is_skipped_with_what_to_do() -> None:
 
 
 def test_assert_attention_lists_the_failing_checks() -> None:
-    with pytest.raises(AssertionError, match=r"(?s)oracle: .*\nscale: Your scale is 1/√32"):
+    with pytest.raises(
+        AssertionError, match=r"(?s)oracle: .*the scale is wrong.*\nscale: Your scale is 1/√32"
+    ):
         assert_attention(planted.WrongScale)
     report = assert_attention(qkv.SelfAttention(16, 2))
     assert report.ok

@@ -113,6 +113,13 @@ def oracle(ctx: Context) -> Result:
         )
     heads = finding.heads if finding else (ctx.target.heads or 1)
     miss = right_error(cap, ctx.setting(), heads)
+    if finding is not None and finding.mistake.check == "scale":  # explained by the scale check
+        return Result(
+            "oracle",
+            "fail",
+            f"differs from {said} on its own Q, K, V by {_num(miss)} ({cap.source}): the scale "
+            "is wrong (see scale)",
+        )
     if finding is not None:
         evidence = _evidence(said, miss, finding)
         return Result(

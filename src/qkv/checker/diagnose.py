@@ -39,7 +39,7 @@ class Mistake:
 
     name: str
     check: str
-    text: str  # format fields: D, E, H, Dv, d_in, scale
+    text: str  # format fields: H, Hkv, E, D, Dv, d_in
     scale: str = "head"
     scale_after_softmax: bool = False
     softmax_dim: int = -1
@@ -61,7 +61,10 @@ SCALES: dict[str, tuple[Callable[[int, int, int, int], float], str]] = {
     "no-sqrt": (lambda d, e, dv, di: 1.0 / d, "1/{D} = 1/head_dim, without the square root"),
     "times": (lambda d, e, dv, di: d**0.5, "√{D}: multiplied instead of divided"),
 }
-MUST = "with {H} head(s) of size {D} it must be 1/√{D} = 1/√d_k, the query/key size per head"
+MUST = (
+    "with {H} head(s) of size {D} it must be 1/√{D} = 1/√d_k, the query/key size per head: a dot "
+    "product of d_k numbers spreads like √d_k, and the scale undoes exactly that"
+)
 
 
 def _scale_mistakes() -> list[Mistake]:
