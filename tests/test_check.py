@@ -431,3 +431,9 @@ def test_a_misleading_head_attribute_is_not_trusted() -> None:
     assert report.ok, report.text()
     assert "4 head(s)" in report["oracle"].detail
     assert report.detected["heads"] == "4 (its attribute says 2; 4 reproduces its output)"
+
+
+def test_the_device_option() -> None:
+    assert check(planted.Attention, device="cpu").ok
+    with pytest.raises(ValueError, match="device must be a torch device.*'nowhere'"):
+        check(planted.Attention, device="nowhere")

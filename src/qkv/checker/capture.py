@@ -78,11 +78,11 @@ def run_captured(target: Target, inputs: Inputs, **options: Any) -> tuple[Output
 
 
 def _function_capture(target: Target, inputs: Inputs, output: Output) -> Capture:
-    q, k, v = (t.detach().double() for t in inputs.tensors)
+    q, k, v = (t.detach().cpu().double() for t in inputs.tensors)
     if target.layout == "BHLD":
         q, k, v = (t.transpose(1, 2).flatten(2) for t in (q, k, v))  # (B, L, H*D)
     return Capture(
-        q, k, v, output.rows.detach().double(), _identity, True, "the function's q, k, v"
+        q, k, v, output.rows.detach().cpu().double(), _identity, True, "the function's q, k, v"
     )
 
 
@@ -90,7 +90,7 @@ def _reads(call: _Call, x: torch.Tensor) -> bool:
     if not call.args or not isinstance(call.args[0], torch.Tensor):
         return False
     first = call.args[0]
-    return first is x or (first.shape == x.shape and torch.equal(first.to(x.dtype), x))
+    return first.shape == x.shape and torch.equal(first.detach().to("cpu", x.dtype), x)
 
 
 def _module_capture(x: torch.Tensor, output: Output, calls: list[_Call]) -> Capture | None:
@@ -110,7 +110,7 @@ def _module_capture(x: torch.Tensor, output: Output, calls: list[_Call]) -> Capt
     else:
         observed = output.rows
         what += "; no output projection (the output is the attention's output)"
-    return Capture(q, k, v, observed.detach().double(), _identity, False, what)
+    return Capture(q, k, v, observed.detach().cpu().double(), _identity, False, what)
 
 
 def _role(name: str) -> str | None:
@@ -127,7 +127,7 @@ def _split_projections(
     calls: list[_Call], width: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str] | None:
     """Q, K, V from the projection calls; ``width`` is x's (the usual width of Q)."""
-    outs = [c.output.detach().double() for c in calls]
+    outs = [c.output.detach().cpu().double() for c in calls]
     names = ", ".join(f"{c.name} ({_shape(c.module)})" for c in calls)
     if len(calls) == 1:  # [Q; K; V] stacked: thirds, or Q as wide as x and K, V narrower
         fused = outs[0].shape[-1]
@@ -167,19 +167,21 @@ def _mha_capture(call: _Call) -> Capture | None:
     if not isinstance(query, torch.Tensor) or query.dim() != 3:
         return None
     rows = query if mha.batch_first else query.transpose(0, 1)
-    rows = rows.detach().double()
+    rows = rows.detach().cpu().double()
     embed = mha.embed_dim
     if mha.in_proj_weight is not None:
-        weights = mha.in_proj_weight.detach().double().split(embed)
+        weights = mha.in_proj_weight.detach().cpu().double().split(embed)
     else:
-        weights = tuple(getattr(mha, f"{n}_proj_weight").detach().double() for n in ("q", "k", "v"))
+        weights = tuple(
+            getattr(mha, f"{n}_proj_weight").detach().cpu().double() for n in ("q", "k", "v")
+        )
     bias = mha.in_proj_bias
-    biases = (None,) * 3 if bias is None else bias.detach().double().split(embed)
+    biases = (None,) * 3 if bias is None else bias.detach().cpu().double().split(embed)
     q, k, v = (F.linear(rows, w, b) for w, b in zip(weights, biases))
     out = call.output[0] if isinstance(call.output, tuple) else call.output
-    out = (out if mha.batch_first else out.transpose(0, 1)).detach().double()
-    weight = mha.out_proj.weight.detach().double()
-    out_bias = None if mha.out_proj.bias is None else mha.out_proj.bias.detach().double()
+    out = (out if mha.batch_first else out.transpose(0, 1)).detach().cpu().double()
+    weight = mha.out_proj.weight.detach().cpu().double()
+    out_bias = None if mha.out_proj.bias is None else mha.out_proj.bias.detach().cpu().double()
 
     def finish(merged: torch.Tensor) -> torch.Tensor:
         return F.linear(merged, weight, out_bias)

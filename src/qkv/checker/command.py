@@ -40,6 +40,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--heads", type=int, help="the head count, when it cannot be read")
     parser.add_argument(
+        "--device",
+        help="where to run it, e.g. cuda (default: cpu); outputs are compared on the CPU",
+    )
+    parser.add_argument(
         "--examples",
         action="store_true",
         help="check each tutorial's implementation (examples/tutorials) and show what is found",
@@ -90,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
             forward=parse_options(args.forward, "--forward"),
             heads=args.heads,
             name=args.spec,
+            device=args.device,
         )
     except CheckError as error:
         return _say_error(str(error))

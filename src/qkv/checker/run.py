@@ -54,18 +54,20 @@ def target_of(
     forward: dict[str, Any] | None = None,
     heads: int | None = None,
     name: str | None = None,
+    device: str | torch.device | None = None,
 ) -> Target:
     """An ``nn.Module`` instance or subclass, or a function f(q, k, v, ...), as a ``Target``."""
     label = name or getattr(obj, "__qualname__", None) or type(obj).__name__
     forward = dict(forward or {})
+    where = _device(device)
     if isinstance(obj, type) and issubclass(obj, nn.Module):
-        target = from_class(obj, label, dict(init or {}), forward)
+        target = from_class(obj, label, dict(init or {}), forward, device=where)
     elif isinstance(obj, nn.Module):
         if init:
             raise CheckError(f"{label} is already built: init applies to a class, not an instance")
-        target = from_module(obj, label, forward)
+        target = from_module(obj, label, forward, device=where)
     elif callable(obj) and not isinstance(obj, type):
-        target = from_function(obj, label, forward)
+        target = from_function(obj, label, forward, device=where)
     else:
         raise CheckError(
             f"{label}: expected an nn.Module subclass or instance, or a function f(q, k, v), "
@@ -76,6 +78,17 @@ def target_of(
     return target
 
 
+def _device(device: str | torch.device | None) -> torch.device | None:
+    if device is None:
+        return None
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(
+            f"device must be a torch device such as 'cpu' or 'cuda', got {device!r}"
+        ) from error
+
+
 def check(
     obj: Any,
     *,
@@ -83,19 +96,23 @@ def check(
     forward: dict[str, Any] | None = None,
     heads: int | None = None,
     name: str | None = None,
+    device: str | torch.device | None = None,
 ) -> Report:
     """Grade a self-attention implementation; see ``docs/check.md``.
 
     ``obj``: an ``nn.Module`` subclass (built with its usual constructor names: d_model,
     num_heads, dropout, ...; ``init`` adds or overrides arguments), an instance, or a function
     ``f(q, k, v, ...)``. ``forward``: fixed keyword arguments for every call. ``heads``: the head
-    count when it cannot be read from the object. Returns a ``Report``; ``report.ok`` is False
-    when a check fails. Raises ``CheckError`` when the implementation cannot be run at all.
+    count when it cannot be read from the object. ``device``: where the implementation runs
+    (default: where an instance's parameters are, else the CPU; an instance is moved there);
+    inputs are made on the CPU and moved, outputs come back to the CPU to be compared. Returns a
+    ``Report``; ``report.ok`` is False when a check fails. Raises ``CheckError`` when the
+    implementation cannot be run at all.
     """
     start = time.perf_counter()
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        target = target_of(obj, init=init, forward=forward, heads=heads, name=name)
+        target = target_of(obj, init=init, forward=forward, heads=heads, name=name, device=device)
         training = None if target.module is None else target.module.training
         try:
             report = _run_all(target)
@@ -154,6 +171,7 @@ def _runs_unbatched(target: Target) -> bool:
     x = target.inputs(1, 7).tensors[0][0]  # (L, E)
     try:
         with torch.no_grad():
+            x = x.to(target.device)
             target.impl(*(x,) * (3 if target.query_key_value else 1), **target.forward)
     except Exception:  # it fails unbatched too: the batch is not the problem
         return False

@@ -90,6 +90,7 @@ class Target:
     config_param: str | None = None  # nanoGPT style: the one constructor argument is a config
     forward: dict[str, Any] = field(default_factory=dict)
     query_key_value: bool = False  # forward(query, key, value): x is passed three times
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
     def module(self) -> nn.Module | None:
@@ -108,7 +109,7 @@ class Target:
                 fields.update({name: value for name in group if name in fields})
             merged = {self.config_param: types.SimpleNamespace(**fields)}
         torch.manual_seed(0)
-        return replace(self, impl=self.factory(merged), init=merged)
+        return replace(self, impl=self.factory(merged).to(self.device), init=merged)
 
     def dtype_copy(self, dtype: torch.dtype) -> Target:
         module = self.module
@@ -142,17 +143,17 @@ class Target:
             kwargs[self.causal_param] = causal
         if mask is not None:
             assert self.mask_param is not None
-            kwargs[self.mask_param] = mask
+            kwargs[self.mask_param] = mask.to(self.device)
         if weights and self.weights_param is not None:
             kwargs[self.weights_param] = True
-        tensors = inputs.tensors * 3 if self.query_key_value else inputs.tensors
-        result = self.impl(*tensors, **kwargs)
+        tensors = tuple(t.to(self.device) for t in inputs.tensors)  # differentiable: grads
+        result = self.impl(*(tensors * 3 if self.query_key_value else tensors), **kwargs)
         return normalise(result, inputs, self.layout)
 
 
 def normalise(result: Any, inputs: Inputs, layout: str) -> Output:
-    """``out``, ``(out, weights)`` or a longer tuple -> Output; weights are the last item whose
-    last two dims are (L, L)."""
+    """``out``, ``(out, weights)`` or a longer tuple -> Output, on the CPU (where every check
+    compares); weights are the last item whose last two dims are (L, L)."""
     items = list(result) if isinstance(result, tuple | list) else [result]
     out = items[0] if items else None
     if not isinstance(out, torch.Tensor):
@@ -164,7 +165,8 @@ def normalise(result: Any, inputs: Inputs, layout: str) -> Output:
     weights = None
     for item in items[1:]:
         if isinstance(item, torch.Tensor) and item.dim() >= 3 and item.shape[-2:] == (length,) * 2:
-            weights = item
+            weights = item.cpu()
+    out = out.cpu()
     rows = out
     if layout == "BHLD" and out.dim() == 4:  # (B, H, L, D) -> (B, L, H*D)
         rows = out.transpose(1, 2).flatten(2)
@@ -219,11 +221,18 @@ def _with_params(target: Target, params: Mapping[str, Any], forward: dict[str, A
 
 
 def from_module(
-    module: nn.Module, name: str, forward: dict[str, Any], width: int | None = None
+    module: nn.Module,
+    name: str,
+    forward: dict[str, Any],
+    width: int | None = None,
+    device: torch.device | None = None,
 ) -> Target:
     """An instance: its input width (unless given) and heads from its attributes or first
-    Linear layer."""
+    Linear layer; it runs where its parameters are (unless ``device`` says otherwise)."""
     module = torch_mha_view(module)
+    if device is None:
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    module.to(device)
     width = width or _attribute(module, WIDTH_NAMES)
     if width is None:
         first = next((m for m in module.modules() if isinstance(m, nn.Linear)), None)
@@ -238,7 +247,9 @@ def from_module(
     required = [p for p in every.values() if p.default is p.empty and p.name not in forward]
     query_key_value = len(required) >= 3  # forward(query, key, value, ...)
     params = dict(list(every.items())[3 if query_key_value else 1 :])
-    target = Target(name, "module", module, width, heads, None, query_key_value=query_key_value)
+    target = Target(
+        name, "module", module, width, heads, None, query_key_value=query_key_value, device=device
+    )
     return _with_params(target, params, forward)
 
 
@@ -279,7 +290,11 @@ def _config_values() -> list[tuple[tuple[str, ...], Any]]:
 
 
 def from_class(
-    cls: type[nn.Module], name: str, init: dict[str, Any], forward: dict[str, Any]
+    cls: type[nn.Module],
+    name: str,
+    init: dict[str, Any],
+    forward: dict[str, Any],
+    device: torch.device | None = None,
 ) -> Target:
     """Build the module from its constructor's parameter names."""
     params = _forward_params(cls.__init__, skip=1)
@@ -307,7 +322,8 @@ def from_class(
     values = vars(config) if is_config else kwargs
     width = next((values[n] for n in WIDTH_NAMES if n in values), None)
     torch.manual_seed(0)
-    target = from_module(factory(kwargs), name, forward, width=width)
+    built = factory(kwargs).to(device or torch.device("cpu"))
+    target = from_module(built, name, forward, width=width, device=device)
     return replace(
         target,
         heads=next((values[n] for n in HEAD_NAMES if n in values), target.heads),
@@ -320,12 +336,16 @@ def from_class(
     )
 
 
-def from_function(fn: Callable[..., Any], name: str, forward: dict[str, Any]) -> Target:
+def from_function(
+    fn: Callable[..., Any],
+    name: str,
+    forward: dict[str, Any],
+    device: torch.device | None = None,
+) -> Target:
     """``f(q, k, v, ...)``: tried on (B, H, L, D) first, then on (B, L, D)."""
     params = _forward_params(fn, skip=3)
-    target = _with_params(
-        Target(name, "function", fn, D_MODEL // HEADS, HEADS, None), params, forward
-    )
+    bare = Target(name, "function", fn, D_MODEL // HEADS, HEADS, None)
+    target = _with_params(replace(bare, device=device or torch.device("cpu")), params, forward)
     errors = []
     for layout in ("BHLD", "BLE"):
         candidate = replace(target, layout=layout)
