@@ -294,6 +294,16 @@ def padding(ctx: Context) -> Result:
     return Result("padding", "pass", f"{said}; they equal the real tokens run alone")
 
 
+def _added_note(ctx: Context) -> str:
+    encoding = ctx.probe.encoding
+    if encoding is None or encoding.polarity != "float 0 / -inf":
+        return ""
+    return (
+        " (its float mask was given -inf, torch's and qkv's 'blocked'; a caller that adds "
+        "torch.finfo(dtype).min instead hides this, the softmax should not depend on it)"
+    )
+
+
 def fully_masked(ctx: Context) -> Result:
     if ctx.probe.encoding is None:
         return Result("fully-masked", "skip", "no mask parameter, so no query can lose all keys")
@@ -312,7 +322,7 @@ def fully_masked(ctx: Context) -> Result:
             "fail",
             f"{said} (of {rows[0].numel()}){path}: softmax of a row that is all -inf is 0/0. "
             "Give such rows zero weights (qkv: exactly 0), e.g. "
-            "torch.where(row has a key, softmax, 0)",
+            "torch.where(row has a key, softmax, 0)" + _added_note(ctx),
         )
     grads = list(gradients_of(rows.sum(), inputs, ctx.target).values())
     bad_grads = sum(int((~g.isfinite()).sum()) for g in grads if g is not None)
