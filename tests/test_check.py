@@ -435,5 +435,5 @@ def test_a_misleading_head_attribute_is_not_trusted() -> None:
 
 def test_the_device_option() -> None:
     assert check(planted.Attention, device="cpu").ok
-    with pytest.raises(ValueError, match="device must be a torch device.*'nowhere'"):
+    with pytest.raises(ValueError, match=r"device must be a torch device.*'nowhere'"):
         check(planted.Attention, device="nowhere")
