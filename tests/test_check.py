@@ -437,3 +437,38 @@ def test_the_device_option() -> None:
     assert check(planted.Attention, device="cpu").ok
     with pytest.raises(ValueError, match=r"device must be a torch device.*'nowhere'"):
         check(planted.Attention, device="nowhere")
+
+
+class XTransformersStyle(nn.Module):
+    """to_q and a fused to_kv, einsum scores, a -finfo.max fill, causal chosen when built."""
+
+    def __init__(self, dim: int, heads: int = 8, causal: bool = False) -> None:
+        super().__init__()
+        self.heads, self.causal, self.scale = heads, causal, (dim // heads) ** -0.5
+        self.to_q = nn.Linear(dim, dim, bias=False)
+        self.to_kv = nn.Linear(dim, 2 * dim, bias=False)
+        self.to_out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, (k, v) = self.to_q(x), self.to_kv(x).chunk(2, dim=-1)
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        dots = torch.einsum("bhid,bhjd->bhij", q, k) * self.scale
+        blocked = -torch.finfo(dots.dtype).max
+        if mask is not None:
+            dots = dots.masked_fill(~mask[:, None, None, :], blocked)
+        if self.causal:
+            future = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
+            dots = dots.masked_fill(future, blocked)
+        out = torch.einsum("bhij,bhjd->bhid", dots.softmax(-1), v)
+        return self.to_out(out.transpose(1, 2).reshape(b, n, -1))
+
+
+def test_a_constructor_causal_flag_and_fused_keys_values() -> None:
+    """Everything holds but L = 0, where .view(..., -1) cannot infer a size: a real crash."""
+    report = check(XTransformersStyle)
+    assert report.detected["causal"] == "constructor argument causal=True"
+    assert "Q and fused K/V projections to_q (32 → 32), to_kv (32 → 64)" in report["oracle"].detail
+    assert report["causal"].status == "pass"
+    assert failed(report) == {"empty"}
+    assert "view/reshape with -1" in report["empty"].detail

@@ -86,10 +86,20 @@ def dropout(ctx: Context) -> Result:
     return Result("dropout", "pass", f"{said}; no dropout in train mode either (p = 0 or none)")
 
 
-EMPTY_HINT = (
-    " An empty sequence must give an empty output: a reduction such as max(dim=-1) over no "
-    "keys fails; guard it or return early."
-)
+def _empty_hint(error: Exception) -> str:
+    """Why an empty sequence (L = 0) crashed, from the usual two causes."""
+    message = str(error)
+    if "unspecified dimension size -1" in message:
+        return (
+            " An empty sequence must give an empty output: view/reshape with -1 cannot infer a "
+            "size from 0 elements; spell the sizes out, e.g. .view(B, L, H, D)."
+        )
+    if "non-zero size" in message or "reduction" in message:
+        return (
+            " An empty sequence must give an empty output: a reduction such as max(dim=-1) "
+            "over no keys fails; guard it or return early."
+        )
+    return " An empty sequence must give an empty output (B, 0, E)."
 
 
 def empty(ctx: Context) -> Result:
@@ -102,7 +112,7 @@ def empty(ctx: Context) -> Result:
                 with torch.no_grad():
                     rows = ctx.call(ctx.target.inputs(BATCH, length, seed=3), causal=causal).rows
             except Exception as error:  # the implementation's own failure is the finding
-                hint = EMPTY_HINT if length == 0 else ""
+                hint = _empty_hint(error) if length == 0 else ""
                 return Result("empty", "fail", f"{said} raised {error_text(error)}.{hint}")
             if tuple(rows.shape[:2]) != (BATCH, length):
                 return Result("empty", "fail", f"{said} gave shape {tuple(rows.shape)}")
