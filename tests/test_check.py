@@ -209,6 +209,7 @@ PLANTED = {
         ["diagonal", "j <= i"],
     ),
     "causal mask flipped": (planted.CausalFlipped, "causal", ["flipped", "future"]),
+    "causal flag ignored": (planted.CausalIgnored, "causal", ["no effect", "future"]),
     "dropout in eval": (planted.DropoutInEval, "dropout", ["eval mode", "training=self.training"]),
     "NaN on a fully padded row": (planted.NaNOnFullyPadded, "fully-masked", ["NaN", "0/0"]),
     "batch mixing": (planted.BatchMixing, "batch", ["changing item 1 changes item 0", "mix"]),

@@ -46,7 +46,7 @@ class Mistake:
     split_transposed: bool = True
     merge_transposed: bool = True
     fill: float = -math.inf
-    rule: str = "j<=i"  # causal rule: "j<=i" (right), "j<i", "j>=i", "j>i"
+    rule: str = "j<=i"  # causal rule: "j<=i" (right), "j<i", "j>=i", "j>i", "all" (none)
     padding_axis: str = "keys"
 
 
@@ -126,6 +126,13 @@ CAUSAL_MISTAKES = [
         "keys j < i, so it never sees itself (and query 0 sees nothing); the rule is j <= i "
         "(torch.tril(ones(L, L)) keeps the diagonal; triu(..., diagonal=1) is what to block)",
         rule="j<i",
+    ),
+    Mistake(
+        "causal-ignored",
+        "causal",
+        "the causal option is accepted but has no effect: every query attends every key, the "
+        "future included; mask keys j > i (scores.masked_fill(triu(ones(L, L), 1), -inf))",
+        rule="all",
     ),
     Mistake(
         "causal-flipped",
@@ -214,7 +221,7 @@ def _allowed(setting: Setting, mistake: Mistake, length: int) -> torch.Tensor | 
     if setting.causal:
         i = torch.arange(length)[:, None]
         j = torch.arange(length)[None, :]
-        rules = {"j<=i": j <= i, "j<i": j < i, "j>=i": j >= i, "j>i": j > i}
+        rules = {"j<=i": j <= i, "j<i": j < i, "j>=i": j >= i, "j>i": j > i, "all": j >= 0}
         allowed = rules[mistake.rule][None, None]
     if setting.keep is not None:
         keep = setting.keep
