@@ -98,7 +98,10 @@ def check(
     name: str | None = None,
     device: str | torch.device | None = None,
 ) -> Report:
-    """Grade a self-attention implementation; see ``docs/check.md``.
+    """Grade a self-attention implementation against qkv's contract; see ``docs/check.md``.
+
+    The implementation keeps its own conventions: its mask layout and polarity are found by
+    trying them (qkv's own is True = may attend), its causal option by name or by behaviour.
 
     ``obj``: an ``nn.Module`` subclass (built with its usual constructor names: d_model,
     num_heads, dropout, ...; ``init`` adds or overrides arguments), an instance, or a function
