@@ -68,10 +68,13 @@ class Probe:
     tried: int
 
 
-def padding_keep(batch: int, length: int) -> torch.Tensor:
-    """(B, L) bool: item 0 starts with ``PADDED`` padding tokens, the others are all real."""
+def padding_keep(batch: int, length: int, *, side: str = "left") -> torch.Tensor:
+    """(B, L) bool: item 0 starts (``side="left"``) or ends with ``PADDED`` padding tokens, the
+    others are all real. Left padding is invisible to no query, causal or not; right padding
+    leaves every causal query a key (its padded queries are not fully masked)."""
     keep = torch.ones(batch, length, dtype=torch.bool)
-    keep[0, : min(PADDED, length)] = False
+    padded = slice(0, min(PADDED, length)) if side == "left" else slice(length - PADDED, length)
+    keep[0, padded] = False
     return keep
 
 

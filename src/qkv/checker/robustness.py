@@ -128,7 +128,7 @@ def _configs(ctx: Context) -> list[tuple[str, bool, torch.Tensor | None]]:
     if ctx.causal_mode in ("flag", "init"):
         configs.append(("causal", True, None))
     if ctx.probe.encoding is not None:
-        configs.append(("padded", False, padding_keep(BATCH, LENGTH)))
+        configs.append(("padded", False, padding_keep(BATCH, LENGTH, side="right")))
     return configs
 
 
