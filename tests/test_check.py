@@ -366,3 +366,32 @@ def test_a_constructor_causal_flag_and_fused_keys_values() -> None:
     assert report["causal"].status == "pass"
     assert failed(report) == {"empty"}
     assert "view/reshape with -1" in report["empty"].detail
+
+
+class CausalWithPadding(nn.Module):
+    """Always causal, with a (B, L) 1/0 attention_mask, plain -inf fills."""
+
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = (
+            t.view(b, n, self.heads, e // self.heads).transpose(1, 2)
+            for t in self.qkv(x).chunk(3, -1)
+        )
+        scores = q @ k.transpose(-2, -1) / math.sqrt(e // self.heads)
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        if attention_mask is not None:
+            scores = scores.masked_fill(attention_mask[:, None, None, :] == 0, float("-inf"))
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+def test_an_always_causal_layer_with_padding_fails_only_where_no_key_is_left() -> None:
+    report = check(CausalWithPadding)
+    assert report.detected["causal"].startswith("always")
+    assert report.detected["mask"] == "attention_mask (B, L), bool, True = keep"
+    assert failed(report) == {"fully-masked"}, report.text()
