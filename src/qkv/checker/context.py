@@ -159,7 +159,8 @@ def describe(ctx: Context) -> dict[str, Any]:
     if encoding is None:
         found["mask"] = "not supported"
     else:
-        exact = "" if ctx.probe.exact else " (the best fit; no encoding masks exactly)"
+        inexact = " (its best fit; no layout or polarity masks exactly: see padding)"
+        exact = "" if ctx.probe.exact else inexact
         found["mask"] = encoding.describe(target.mask_param or "mask") + exact
     found["weights"] = (
         f"returned, {tuple(ctx.base.weights.shape)}"
