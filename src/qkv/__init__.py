@@ -4,6 +4,7 @@
 """
 
 from qkv.cache import KVCache
+from qkv.checker import check
 from qkv.functional import attention, attention_with_cache
 from qkv.masks import causal_mask, padding_mask, sliding_window_mask
 from qkv.modules import SelfAttention
@@ -17,6 +18,7 @@ __all__ = [
     "attention",
     "attention_with_cache",
     "causal_mask",
+    "check",
     "padding_mask",
     "sliding_window_mask",
     "trace",

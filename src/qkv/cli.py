@@ -1,4 +1,4 @@
-"""The ``qkv`` command: ``qkv explain TEXT`` (the main job) and ``qkv bench``.
+"""The ``qkv`` command: ``qkv explain TEXT`` (the main job), ``qkv bench`` and ``qkv check``.
 
 Each subcommand lives in its own module, which provides ``configure(parser)`` and ``run(args)``;
 they are imported only when used, so ``qkv --help`` stays fast.
@@ -17,6 +17,10 @@ SUBCOMMANDS = {
         "walk through one attention computation step by step, with pictures",
     ),
     "bench": ("qkv.bench.command", "measure qkv's backends against PyTorch"),
+    "check": (
+        "qkv.checker.command",
+        "grade a self-attention implementation (FILE.py:NAME) and say what is wrong",
+    ),
 }
 
 
