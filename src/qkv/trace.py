@@ -195,8 +195,9 @@ class Trace:
         if weights is None and "weights" in self.keep:
             # The backend returned none (fused kernels never form them): compute them from the
             # same call with the reference backend, the formula itself.
-            _, weights = dispatch.run(
-                dataclasses.replace(call, return_weights=True, dropout_p=0.0), "reference"
+            _, weights, _ = dispatch.run(
+                dataclasses.replace(call, return_weights=True, return_lse=False, dropout_p=0.0),
+                "reference",
             )
         self.records.append(
             AttentionRecord(
