@@ -55,6 +55,8 @@ def why_not(name: str, call: Call) -> str | None:
 def preference(call: Call) -> tuple[str, ...]:
     """The backends ``"auto"`` tries for ``call``, fastest first.
 
+    - flash first for a window or segments: it skips the tiles they block, where torch's kernel
+      needs them as an (Lq, Lk) mask (memory quadratic in length).
     - flash first for few queries under a mask or a non-top-left causal rule (see
       ``FEW_QUERIES``), and for forward passes without a mask that flash's compiled kernel runs
       where it is the faster kernel (causal calls, decoding, large calls; see
@@ -74,7 +76,7 @@ def preference(call: Call) -> tuple[str, ...]:
         and (call.causal_offset is not None or _kernel_is_faster(call))
         and backend("flash").runs_compiled(call)
     )
-    if few_queries or on_kernel:
+    if few_queries or on_kernel or call.structured:
         return ("flash", "sdpa", "reference")
     return ("sdpa", "flash", "reference")
 
