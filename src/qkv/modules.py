@@ -29,6 +29,10 @@ class SelfAttention(nn.Module):
     Q, K and V come from one fused projection ``qkv_proj``. ``bias`` applies to every projection;
     ``out_bias`` (default: ``bias``) overrides it for the output projection. ``dropout`` drops
     attention weights in training mode only. ``causal`` is the default rule of ``forward``.
+
+    What real models add (as in ``qkv.attention``): ``softcap`` soft-caps the scores,
+    ``sinks=True`` gives each head a learnable sink logit (the parameter ``sinks``, (heads,),
+    initialised to 0), ``window`` limits each query to a local window of keys.
     """
 
     def __init__(
@@ -44,6 +48,9 @@ class SelfAttention(nn.Module):
         causal: bool | str = False,
         backend: str = "auto",
         out_bias: bool | None = None,
+        softcap: float | None = None,
+        sinks: bool = False,
+        window: int | tuple[int | None, int | None] | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -71,8 +78,13 @@ class SelfAttention(nn.Module):
         self.dropout = _checks.probability("dropout", dropout)
         self.causal = _checks.choice("causal", causal, masks.CAUSAL_VALUES)
         self.backend = _checks.choice("backend", backend, NAMES)
+        self.softcap = None if softcap is None else _checks.positive_float("softcap", softcap)
+        self.window = None if window is None else _checks.window("window", window, causal)
 
         factory = {"device": device, "dtype": dtype}
+        self.sinks: nn.Parameter | None = None
+        if _checks.boolean("sinks", sinks):  # one logit per head, learnt (gpt-oss)
+            self.sinks = nn.Parameter(torch.zeros(self.heads, device=device, dtype=dtype))
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.q_proj: nn.Linear | None = None
         self.kv_proj: nn.Linear | None = None
@@ -89,6 +101,9 @@ class SelfAttention(nn.Module):
             f"d_model={self.d_model}, heads={self.heads}, kv_heads={self.kv_heads}, "
             f"head_dim={self.head_dim}, d_context={self.d_context}, dropout={self.dropout}, "
             f"causal={self.causal!r}, backend={self.backend!r}"
+            + (f", softcap={self.softcap}" if self.softcap is not None else "")
+            + (", sinks=True" if self.sinks is not None else "")
+            + (f", window={self.window!r}" if self.window is not None else "")
         )
 
     def forward(
@@ -139,6 +154,9 @@ class SelfAttention(nn.Module):
             "dropout_p": self.dropout if self.training else 0.0,
             "return_weights": return_weights,
             "backend": self.backend,
+            "softcap": self.softcap,
+            "sinks": self.sinks,
+            "window": self.window,
         }
         if new:  # this call's keys and values join the cache
             assert cache is not None
