@@ -21,6 +21,7 @@ from qkv.backends import flash
 from qkv.backends.base import Unsupported
 from qkv.backends.flash import kernel as flash_kernel
 from qkv.backends.flash import loop as flash_loop
+from qkv.canonical import canonical_call
 
 f64 = torch.float64
 NEG_INF = -math.inf
@@ -427,21 +428,92 @@ def test_tiles_outside_the_window_or_the_segments_are_skipped(
     assert packed == 4 * 3  # per document: 2 query tiles, 1 + 2 key tiles
 
 
-def test_the_compiled_kernel_takes_sinks_and_refuses_score_rules() -> None:
-    q, k, v = (torch.randn(1, 2, 40, 8) for _ in range(3))
-    sinks = torch.randn(2)
-    call = qkv.attention  # sinks join after the kernel; the other rules change every score
-    expected = formula(q.double(), k.double(), v.double(), sinks=sinks.double(), causal=True)[0]
-    out = call(q, k, v, sinks=sinks, causal=True, backend="flash")
-    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
-    from qkv.canonical import canonical_call
-
+def test_the_compiled_kernel_takes_sinks_windows_and_packed_sequences_only() -> None:
+    """Sinks join after the kernel; windows and segments in contiguous runs are each row's range
+    of keys; soft-capping, ALiBi and segments in pieces change scores one by one: the loop."""
+    q, k, v = (torch.randn(2, 2, 40, 8) for _ in range(3))
     plain = dict(mask=None, causal=True, scale=None, dropout_p=0.0, return_weights=False)
-    built, _ = canonical_call(q, k, v, **plain, backend="flash", sinks=sinks)
-    assert flash.runs_compiled(built) == flash_kernel.takes(q, k, v)
-    for extra in ({"softcap": 5.0}, {"window": 4}, {"segments": torch.zeros(40, dtype=torch.long)}):
+    runs = torch.arange(40) // 7
+    takes = (
+        {"sinks": torch.randn(2)},
+        {"window": 4},
+        {"window": (3, None), "segments": runs},
+        {"segments": (runs[None].expand(2, 40), runs.flip(0)[None].expand(2, 40))},
+    )
+    refuses = ({"softcap": 5.0}, {"alibi_slopes": torch.rand(2)}, {"segments": runs % 2})
+    for extra in (*takes, *refuses):
         built, _ = canonical_call(q, k, v, **plain, backend="flash", **extra)
-        assert not flash.runs_compiled(built)
+        expected = extra in takes and flash_kernel.takes(q, k, v)
+        assert flash.runs_compiled(built) == expected, extra
+
+
+@pytest.fixture
+def compiled_kernel() -> None:
+    if flash_kernel.load() is None:
+        pytest.skip("flash's compiled CPU kernel is unavailable here")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("lengths", [(700, 700), (5, 900), (300, 1000)], ids=str)
+@pytest.mark.parametrize(
+    "structure",
+    [
+        {"causal": True, "window": 100},
+        {"window": (37, 5)},
+        {"causal": True, "segments": "runs"},
+        {"window": (50, None), "segments": "two rows", "sinks": "sinks"},
+    ],
+    ids=str,
+)
+def test_the_compiled_kernel_matches_the_formula_with_windows_and_segments(
+    compiled_kernel: None, dtype: torch.dtype, lengths: tuple[int, int], structure: dict
+) -> None:
+    """Block-sized inputs: query blocks whose rows start and end in different key blocks, and
+    the decoding path (5 queries)."""
+    lq, lk = lengths
+    generator = torch.Generator().manual_seed(lq + lk)
+    shapes = ((4, lq), (2, lk), (2, lk))
+    q, k, v = (torch.randn(2, h, n, 16, generator=generator).to(dtype) for h, n in shapes)
+    runs = torch.arange(lk) // 97
+    values = {
+        "runs": runs,
+        "two rows": torch.stack([runs, torch.arange(lk) // 150]),
+        "sinks": torch.randn(4, generator=generator),
+    }
+    kwargs = {name: values.get(x, x) if isinstance(x, str) else x for name, x in structure.items()}
+    wide = {
+        n: x.double() if x.is_floating_point() else x
+        for n, x in kwargs.items()
+        if torch.is_tensor(x)
+    }
+    expected, expected_lse = qkv.attention(
+        q.double(),
+        k.double(),
+        v.double(),
+        return_lse=True,
+        backend="reference",
+        **{**kwargs, **wide},
+    )
+    built, _ = canonical_call(
+        q,
+        k,
+        v,
+        mask=None,
+        causal=kwargs.pop("causal", False),
+        scale=None,
+        dropout_p=0.0,
+        return_weights=False,
+        backend="flash",
+        return_lse=True,
+        **kwargs,
+    )
+    assert flash.runs_compiled(built)
+    out, _, lse = flash.attention(built)
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=rtol)
+    finite = expected_lse.isfinite()
+    torch.testing.assert_close(lse.double()[finite], expected_lse[finite], atol=1e-4, rtol=1e-4)
+    assert (lse[~finite] == NEG_INF).all()
 
 
 # --- KV caches, grouped heads, segment helpers ------------------------------------------------

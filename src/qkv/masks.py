@@ -293,11 +293,14 @@ def key_range(
     return max(0, start), max(0, min(end, lk))
 
 
-def segment_key_spans(
+def segment_spans(
     segments: tuple[torch.Tensor, torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first, last), each (Lq,): for every query position, over the whole batch, the first and
-    the last key position whose segment id equals the query's (first > last when none does)."""
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(first, last, runs): first and last, each (R, Lq) for the R = prod(*batch) batch entries,
+    are per query position the first and the last key position whose segment id equals the
+    query's (first > last when none does); ``runs`` says whether every id's keys are one
+    contiguous run in every entry (packed sequences), so that [first, last] holds exactly the
+    keys of a query's segment."""
     query_ids, key_ids = segments
     lq, lk = query_ids.shape[-1], key_ids.shape[-1]
     batch = _checks.broadcast_shape(query_ids.shape[:-1], key_ids.shape[:-1])
@@ -305,18 +308,23 @@ def segment_key_spans(
     rows = math.prod(batch)
     query_ids = query_ids.expand(*batch, lq).reshape(rows, lq)
     key_ids = key_ids.expand(*batch, lk).reshape(rows, lk)
-    first = torch.full((lq,), lk, dtype=torch.long, device=query_ids.device)
-    last = torch.full((lq,), -1, dtype=torch.long, device=query_ids.device)
     positions = torch.arange(lk, device=query_ids.device)
-    for row in range(query_ids.shape[0]):  # per batch entry, each id's first and last key
+    first, last, runs = [], [], True
+    for row in range(rows):  # per batch entry, each id's first and last key
         ids, inverse = torch.unique(torch.cat([key_ids[row], query_ids[row]]), return_inverse=True)
         key_id, query_id = inverse[:lk], inverse[lk:]
         lo = torch.full((ids.numel(),), lk, device=positions.device)
         hi = torch.full((ids.numel(),), -1, device=positions.device)
-        lo = lo.scatter_reduce(0, key_id, positions, "amin")[query_id]
-        hi = hi.scatter_reduce(0, key_id, positions, "amax")[query_id]
-        first, last = torch.minimum(first, lo), torch.maximum(last, hi)
-    return first, last
+        lo, hi = (
+            lo.scatter_reduce(0, key_id, positions, "amin"),
+            hi.scatter_reduce(0, key_id, positions, "amax"),
+        )
+        count = torch.zeros_like(lo).scatter_add_(0, key_id, torch.ones_like(positions))
+        runs = runs and bool((count == 0).logical_or(count == hi - lo + 1).all())
+        first.append(lo[query_id])
+        last.append(hi[query_id])
+    empty = torch.empty(0, lq, dtype=torch.long, device=positions.device)
+    return (torch.stack(first) if first else empty), (torch.stack(last) if last else empty), runs
 
 
 def tile_bias(mask: torch.Tensor | None, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor | None:

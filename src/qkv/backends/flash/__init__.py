@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 
+from qkv import _checks
 from qkv.backends.base import CacheWrite, Call
 from qkv.backends.flash import kernel, loop
 from qkv.backends.flash.loop import KEY_TILE, QUERY_TILE, backward
-from qkv.backends.flash.rules import Rules
+from qkv.backends.flash.rules import Rules, kernel_ranges
 
 __all__ = [
     "KEY_TILE",
@@ -49,11 +50,18 @@ def forward(
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``loop.forward`` (same arguments and results: out in the compute dtype, lse), on the
-    compiled kernel where it takes the call (no mask and no rules, CPU, float32/float16/
-    bfloat16). ``sinks`` (Hq,) join each row afterwards: a sink is a key with logit sinks[h] and
-    value 0, so it rescales out by exp(lse − lse') and adds to the log-sum-exp."""
-    plain = mask is None and (rules is None or rules.empty)
-    compiled = kernel.forward(q, k, v, scale, causal_offset) if plain else None
+    compiled kernel where it takes the call (no mask, no soft-capping or ALiBi, segments in
+    contiguous runs; CPU, float32/float16/bfloat16). ``sinks`` (Hq,) join each row afterwards:
+    a sink is a key with logit sinks[h] and value 0, so it rescales out by exp(lse − lse') and
+    adds to the log-sum-exp."""
+    compiled = None
+    if mask is None:
+        batch = _checks.broadcast_shape(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+        assert batch is not None  # checked with the call
+        hq, lq, lk = q.shape[-3], q.shape[-2], k.shape[-2]
+        ranges = kernel_ranges(rules, causal_offset, batch, hq, lq, lk)
+        if ranges is not None:
+            compiled = kernel.forward(q, k, v, scale, causal_offset, ranges)
     if compiled is not None:  # (the kernel's outputs are never part of a graph)
         out, lse = compiled
     else:
@@ -76,13 +84,14 @@ def with_sinks(
 
 
 def runs_compiled(call: Call) -> bool:
-    """Whether this backend runs ``call``'s forward pass on the compiled kernel."""
-    return (
-        call.mask is None
-        and not call.structured
-        and not call.modified_scores
-        and kernel.takes(call.q, call.k, call.v)
-    )
+    """Whether this backend runs ``call``'s forward pass on the compiled kernel (a window or
+    segments only when it takes them: ``rules.kernel_ranges``)."""
+    if call.mask is not None or call.modified_scores or not kernel.takes(call.q, call.k, call.v):
+        return False
+    if not call.structured:
+        return True
+    *batch, hq, lq, lk = call.scores_shape
+    return kernel_ranges(rules_of(call), call.causal_offset, tuple(batch), hq, lq, lk) is not None
 
 
 def why_not(call: Call) -> str | None:

@@ -1,6 +1,7 @@
 """flash's compiled CPU kernel (``flash_cpu.cpp``): how it is built and loaded, the calls it runs.
 
-The kernel runs the forward recurrence of ``loop.py`` for calls without a mask, one query block
+The kernel runs the forward recurrence of ``loop.py`` for calls without a mask (a causal rule,
+a window and packed sequences given as each query row's range of keys), one query block
 of one head at a time in cache-sized buffers, with one fused exp/sum pass per key block. Calls
 with fewer than ``DECODE_QUERIES`` queries (decoding) take its other path: one query row at a
 time, K/V read where they lie, so a KV cache's buffer is never copied.
@@ -101,23 +102,40 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal_offset: int | None,
+    ranges: tuple[torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``loop.forward`` (without a mask) on the compiled kernel: (out, lse) in float32, or None
-    where it does not apply (``takes``)."""
+    where it does not apply (``takes``). ``ranges``: (the keys [lo, hi) each query row may see,
+    (R, Lq, 2) int64, and how many consecutive heads of q share one of the R), for a window or
+    packed sequences (``rules.kernel_ranges``); the causal rule is then part of them."""
     if not takes(q, k, v):
         return None
     kernel = load()  # built and cached by takes
     assert kernel is not None
     causal = causal_offset is not None
+    bounds, heads_per_range = (torch.empty(0, dtype=torch.long), 1) if ranges is None else ranges
     if q.shape[-2] < DECODE_QUERIES:  # one row at a time, K/V read where they lie
         if q.dtype != torch.float16 and q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
-            out, lse = kernel.decode(q, k, v, scale, causal, causal_offset or 0)
+            out, lse = kernel.decode(
+                q, k, v, scale, causal, causal_offset or 0, bounds, heads_per_range
+            )
             return out, lse  # the common case: (*B, Hq, Lq, Dv), (*B, Hq, Lq) as they come
         dtype = torch.float32 if q.dtype == torch.float16 else q.dtype
         q_flat, k_flat, v_flat, batch = flat_heads(q, k, v, dtype)  # batch dims broadcast
         out, lse = kernel.decode(
-            q_flat.flatten(0, 1), k_flat, v_flat, scale, causal, causal_offset or 0
+            q_flat.flatten(0, 1),
+            k_flat,
+            v_flat,
+            scale,
+            causal,
+            causal_offset or 0,
+            bounds,
+            heads_per_range,
         )
     else:
         low = q.dtype == torch.bfloat16 and kernel.bfloat16_products()
@@ -130,6 +148,8 @@ def forward(
             scale,
             causal,
             causal_offset or 0,
+            bounds,
+            heads_per_range,
         )
     hq = q.shape[-3]
     return out.view(*batch, hq, *out.shape[1:]), lse.view(*batch, hq, lse.shape[-1])

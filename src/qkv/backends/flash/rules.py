@@ -61,7 +61,10 @@ class TileRules:
             self.slopes = slopes * LOG2_E
             if grad and rules.alibi_slopes.requires_grad:
                 self.slopes_grad = torch.zeros_like(slopes)
-        self.spans = None if rules.segments is None else masks.segment_key_spans(rules.segments)
+        self.spans = None
+        if rules.segments is not None:  # over the whole batch: a tile is skipped for all
+            first, last, _ = masks.segment_spans(rules.segments)
+            self.spans = first.amin(dim=0), last.amax(dim=0)
         self.cap_derivative: torch.Tensor | None = None  # (N, R, kt): d capped / d raw score
         self.grad = grad
 
@@ -107,3 +110,34 @@ class TileRules:
         assert self.slopes is not None
         shift = self.lk - self.lq  # bottom-right aligned, as the causal rule
         return masks.alibi_distance(q0, q1, k0, k1, shift, self.slopes.device, dtype)
+
+
+def kernel_ranges(
+    rules: Rules | None, offset: int | None, batch: tuple[int, ...], hq: int, lq: int, lk: int
+) -> tuple[torch.Tensor, int] | None:
+    """The compiled kernel's form of a causal rule, a window and packed sequences: the keys
+    [lo, hi) each query row may see, (R, Lq, 2) int64 for R = 1 or R = prod(*batch) batch
+    entries, and the heads per entry. None where the kernel cannot take the rules (soft-capping,
+    ALiBi, segment ids whose keys are not contiguous runs); an empty tensor when there are none."""
+    none = torch.empty(0, dtype=torch.long)
+    if rules is None or rules.empty:
+        return none, 1
+    if rules.softcap is not None or rules.alibi_slopes is not None:
+        return None
+    rows = torch.arange(lq)
+    lo = torch.zeros(1, lq, dtype=torch.long)
+    hi = torch.full((1, lq), lk, dtype=torch.long)
+    if offset is not None:
+        hi = torch.minimum(hi, rows + offset + 1)
+    if rules.window_offset is not None:
+        lo = torch.maximum(lo, rows + rules.window_offset)
+    heads_per_range = math.prod(batch) * hq
+    if rules.segments is not None:  # one range per batch entry
+        query_ids, key_ids = rules.segments
+        expanded = query_ids.expand(*batch, lq), key_ids.expand(*batch, lk)
+        first, last, runs = masks.segment_spans(expanded)
+        if not runs:
+            return None
+        lo, hi = torch.maximum(lo, first.cpu()), torch.minimum(hi, last.cpu() + 1)
+        heads_per_range = hq
+    return torch.stack([lo, hi], dim=-1).contiguous(), heads_per_range
