@@ -423,7 +423,9 @@ std::vector<at::Tensor> forward_impl(
         const auto [lo, hi] = bounds.row(head, q0 + r);
         if (lo < hi) keys_begin = std::min(keys_begin, lo), keys_end = std::max(keys_end, hi);
       }
-      for (int64_t k0 = keys_begin / kKeyBlock * kKeyBlock; k0 < keys_end; k0 += kKeyBlock) {
+      // (bfloat16 keys and values are arranged by whole key blocks: start at one)
+      const int64_t keys_start = low ? keys_begin / kKeyBlock * kKeyBlock : keys_begin;
+      for (int64_t k0 = keys_start; k0 < keys_end; k0 += kKeyBlock) {
         const int64_t kn = std::min(kKeyBlock, keys_end - k0), block = k0 / kKeyBlock;
         float* s = scores.data();
         if constexpr (low) {  // s = q · kᵀ, bfloat16 products, float32 sums, whole 32-key groups
