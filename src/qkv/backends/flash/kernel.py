@@ -10,9 +10,10 @@ The kernel is compiled the first time it is needed, for the machine it runs on
 (``-march=native``), with torch's C++ extension tooling (a C++ compiler and ninja), and cached by
 torch under ``~/.cache/torch_extensions`` (``TORCH_EXTENSIONS_DIR`` moves it), so only the first
 use in a fresh environment pays the ~30 s build. The cached build is named after the CPU's
-feature flags, so a cache shared by different machines never hands one a build for another's
-instruction set. Where it cannot be built, qkv warns once; flash then runs its PyTorch loop,
-which computes the same thing more slowly, and ``"auto"`` picks torch's kernel instead.
+feature flags and the source's hash, so a cache shared by different machines or different
+versions of qkv never hands one a build for another's instruction set or another's source.
+Where it cannot be built, qkv warns once; flash then runs its PyTorch loop, which computes the
+same thing more slowly, and ``"auto"`` picks torch's kernel instead.
 ``QKV_FLASH_KERNEL=0`` (or ``ENABLED = False``) skips the kernel without trying.
 """
 
@@ -57,7 +58,7 @@ def _build() -> ModuleType | None:
         if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
         module: ModuleType = cpp_extension.load(
-            name=f"qkv_flash_cpu_{_cpu_id()}",
+            name=f"qkv_flash_cpu_{_cpu_id()}_{_source_id()}",
             sources=[str(_SOURCE)],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -73,6 +74,12 @@ def _build() -> ModuleType | None:
             stacklevel=4,
         )
         return None
+
+
+def _source_id() -> str:
+    """A short hash of the kernel's source: builds of different versions (another checkout of
+    qkv sharing the cache) never take each other's place, so none loads a stale build."""
+    return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
 
 
 def _cpu_id() -> str:
