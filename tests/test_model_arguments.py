@@ -428,19 +428,22 @@ def test_tiles_outside_the_window_or_the_segments_are_skipped(
     assert packed == 4 * 3  # per document: 2 query tiles, 1 + 2 key tiles
 
 
-def test_the_compiled_kernel_takes_sinks_windows_and_packed_sequences_only() -> None:
-    """Sinks join after the kernel; windows and segments in contiguous runs are each row's range
-    of keys; soft-capping, ALiBi and segments in pieces change scores one by one: the loop."""
+def test_the_compiled_kernel_takes_every_argument_but_segments_in_pieces() -> None:
+    """Sinks join after the kernel; soft-capping and ALiBi change each score before its
+    exponential; windows and segments in contiguous runs are each row's range of keys. Segment
+    ids whose keys are scattered need a comparison per score: the loop."""
     q, k, v = (torch.randn(2, 2, 40, 8) for _ in range(3))
     plain = dict(mask=None, causal=True, scale=None, dropout_p=0.0, return_weights=False)
     runs = torch.arange(40) // 7
     takes = (
         {"sinks": torch.randn(2)},
+        {"softcap": 5.0},
+        {"alibi_slopes": torch.rand(2, 2)},
         {"window": 4},
         {"window": (3, None), "segments": runs},
         {"segments": (runs[None].expand(2, 40), runs.flip(0)[None].expand(2, 40))},
     )
-    refuses = ({"softcap": 5.0}, {"alibi_slopes": torch.rand(2)}, {"segments": runs % 2})
+    refuses = ({"segments": runs % 2},)
     for extra in (*takes, *refuses):
         built, _ = canonical_call(q, k, v, **plain, backend="flash", **extra)
         expected = extra in takes and flash_kernel.takes(q, k, v)
@@ -462,10 +465,13 @@ def compiled_kernel() -> None:
         {"window": (37, 5)},
         {"causal": True, "segments": "runs"},
         {"window": (50, None), "segments": "two rows", "sinks": "sinks"},
+        {"causal": True, "softcap": 0.7},
+        {"causal": True, "softcap": 50.0, "alibi_slopes": "slopes"},
+        {"window": (30, 30), "alibi_slopes": "batch slopes", "softcap": 2.0, "scale": -0.5},
     ],
     ids=str,
 )
-def test_the_compiled_kernel_matches_the_formula_with_windows_and_segments(
+def test_the_compiled_kernel_matches_the_reference_with_every_argument(
     compiled_kernel: None, dtype: torch.dtype, lengths: tuple[int, int], structure: dict
 ) -> None:
     """Block-sized inputs: query blocks whose rows start and end in different key blocks, and
@@ -479,6 +485,8 @@ def test_the_compiled_kernel_matches_the_formula_with_windows_and_segments(
         "runs": runs,
         "two rows": torch.stack([runs, torch.arange(lk) // 150]),
         "sinks": torch.randn(4, generator=generator),
+        "slopes": torch.rand(4, generator=generator),
+        "batch slopes": torch.rand(2, 4, generator=generator),
     }
     kwargs = {name: values.get(x, x) if isinstance(x, str) else x for name, x in structure.items()}
     wide = {
@@ -500,7 +508,7 @@ def test_the_compiled_kernel_matches_the_formula_with_windows_and_segments(
         v,
         mask=None,
         causal=kwargs.pop("causal", False),
-        scale=None,
+        scale=kwargs.pop("scale", None),
         dropout_p=0.0,
         return_weights=False,
         backend="flash",

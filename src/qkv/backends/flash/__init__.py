@@ -23,7 +23,7 @@ from qkv import _checks
 from qkv.backends.base import CacheWrite, Call
 from qkv.backends.flash import kernel, loop
 from qkv.backends.flash.loop import KEY_TILE, QUERY_TILE, backward
-from qkv.backends.flash.rules import Rules, kernel_ranges
+from qkv.backends.flash.rules import Rules, kernel_ranges, kernel_slopes
 
 __all__ = [
     "KEY_TILE",
@@ -50,8 +50,8 @@ def forward(
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``loop.forward`` (same arguments and results: out in the compute dtype, lse), on the
-    compiled kernel where it takes the call (no mask, no soft-capping or ALiBi, segments in
-    contiguous runs; CPU, float32/float16/bfloat16). ``sinks`` (Hq,) join each row afterwards:
+    compiled kernel where it takes the call (no mask, segments in contiguous runs; CPU,
+    float32/float16/bfloat16). ``sinks`` (Hq,) join each row afterwards:
     a sink is a key with logit sinks[h] and value 0, so it rescales out by exp(lse − lse') and
     adds to the log-sum-exp."""
     compiled = None
@@ -61,7 +61,9 @@ def forward(
         hq, lq, lk = q.shape[-3], q.shape[-2], k.shape[-2]
         ranges = kernel_ranges(rules, causal_offset, batch, hq, lq, lk)
         if ranges is not None:
-            compiled = kernel.forward(q, k, v, scale, causal_offset, ranges)
+            softcap = None if rules is None else rules.softcap
+            slopes = kernel_slopes(rules, batch, hq)
+            compiled = kernel.forward(q, k, v, scale, causal_offset, ranges, softcap, slopes)
     if compiled is not None:  # (the kernel's outputs are never part of a graph)
         out, lse = compiled
     else:
@@ -86,7 +88,7 @@ def with_sinks(
 def runs_compiled(call: Call) -> bool:
     """Whether this backend runs ``call``'s forward pass on the compiled kernel (a window or
     segments only when it takes them: ``rules.kernel_ranges``)."""
-    if call.mask is not None or call.modified_scores or not kernel.takes(call.q, call.k, call.v):
+    if call.mask is not None or not kernel.takes(call.q, call.k, call.v):
         return False
     if not call.structured:
         return True

@@ -133,6 +133,76 @@ inline __m512 exp2_avx512(__m512 x, const float (&coefficients)[Terms]) {
 }
 #endif
 
+// What a call adds to q · k: soft-capping and ALiBi. cap = 0: no capping; slopes = nullptr: no
+// ALiBi (one slope per query head otherwise); shift = S − Lq aligns the last query with the last
+// key, as the causal rule.
+struct ScoreRules {
+  float cap;
+  const float* slopes;
+  int64_t shift;
+
+  bool any() const { return cap != 0.f || slopes != nullptr; }
+};
+
+// tanh(y) to float32 accuracy: the odd Taylor series to y⁹ for |y| < 1/4 (within 1e-8
+// relative), else (1 − t) / (1 + t) with t = e^(−2|y|) = 2^(−2|y| log2 e), sign restored.
+inline float tanh_scalar(float y) {
+  const float a = std::fabs(y);
+  if (a < 0.25f) {
+    const float y2 = y * y;
+    return y * (1.f + y2 * (-1.f / 3 + y2 * (2.f / 15 + y2 * (-17.f / 315 + y2 * (62.f / 2835)))));
+  }
+  const float t = exp2_scalar(-2.f * kLog2E * a);
+  return std::copysign((1.f - t) / (1.f + t), y);
+}
+
+#if defined(__AVX512F__)
+inline __m512 tanh_avx512(__m512 y) {
+  const __m512 a = _mm512_abs_ps(y), y2 = _mm512_mul_ps(y, y);
+  __m512 series = _mm512_set1_ps(62.f / 2835);
+  series = _mm512_fmadd_ps(series, y2, _mm512_set1_ps(-17.f / 315));
+  series = _mm512_fmadd_ps(series, y2, _mm512_set1_ps(2.f / 15));
+  series = _mm512_fmadd_ps(series, y2, _mm512_set1_ps(-1.f / 3));
+  series = _mm512_mul_ps(y, _mm512_fmadd_ps(series, y2, _mm512_set1_ps(1.f)));
+  const __m512 t = exp2_avx512(_mm512_mul_ps(a, _mm512_set1_ps(-2.f * kLog2E)), kExp2Degree5);
+  const __m512 one = _mm512_set1_ps(1.f);
+  __m512 large = _mm512_div_ps(_mm512_sub_ps(one, t), _mm512_add_ps(one, t));
+  // tanh(|y|) >= 0 has no sign bit: give it y's
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(INT32_MIN));
+  large = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(large), sign));
+  const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.25f), _CMP_LT_OQ);
+  return _mm512_mask_blend_ps(small, large, series);
+}
+#endif
+
+// One row of n scores in place, keys j = 0 … n − 1 at distance d0 − j from the query:
+// s_j ← cap · tanh(s_j · scale / cap) − slope · |d0 − j| (each part only where the call has it),
+// the scaled scores the recurrence then exponentiates in base 2 (c = log2 e).
+inline void modify_row(float* s, int64_t n, float scale, float cap, float slope, int64_t d0) {
+  const bool capped = cap != 0.f;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 vscale = _mm512_set1_ps(scale), vcap = _mm512_set1_ps(cap);
+  const __m512 vinv = _mm512_set1_ps(capped ? 1.f / cap : 0.f), vslope = _mm512_set1_ps(slope);
+  const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (; j < n; j += 16) {
+    const __mmask16 lanes = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+    __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, s + j), vscale);
+    if (capped) x = _mm512_mul_ps(vcap, tanh_avx512(_mm512_mul_ps(x, vinv)));
+    if (slope != 0.f) {
+      const __m512 d = _mm512_sub_ps(_mm512_set1_ps(static_cast<float>(d0 - j)), lane);
+      x = _mm512_fnmadd_ps(vslope, _mm512_abs_ps(d), x);
+    }
+    _mm512_mask_storeu_ps(s + j, lanes, x);
+  }
+#endif
+  for (; j < n; ++j) {
+    float x = s[j] * scale;
+    if (capped) x = cap * tanh_scalar(x / cap);
+    s[j] = x - slope * static_cast<float>(std::llabs(d0 - j));
+  }
+}
+
 // The running extreme of one row's scores: the largest (Up) or the smallest. NaN is skipped.
 template <bool Up>
 inline float row_extreme(const float* s, int64_t n) {
@@ -371,10 +441,18 @@ KeyBounds key_bounds(bool causal, int64_t offset, int64_t S, int64_t Lq, const a
   return {causal, offset, S, Lq, ranges.const_data_ptr<int64_t>(), heads_per_range};
 }
 
+ScoreRules score_rules(double softcap, const at::Tensor& slopes, int64_t heads, int64_t S,
+                       int64_t Lq) {
+  if (slopes.numel() == 0) return {static_cast<float>(softcap), nullptr, S - Lq};
+  TORCH_CHECK(slopes.scalar_type() == at::kFloat && slopes.is_contiguous() &&
+              slopes.numel() == heads, "alibi slopes: contiguous float32, one per query head");
+  return {static_cast<float>(softcap), slopes.const_data_ptr<float>(), S - Lq};
+}
+
 template <typename T>
 std::vector<at::Tensor> forward_impl(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
-    const KeyBounds& bounds) {
+    const KeyBounds& bounds, const ScoreRules& rules) {
   constexpr bool low = std::is_same_v<T, at::BFloat16>;
   using P = std::conditional_t<low, T, float>;  // the weights' type
   const int64_t NG = q.size(0), Lq = q.size(1), D = q.size(2);
@@ -383,7 +461,9 @@ std::vector<at::Tensor> forward_impl(
   const int64_t De = low ? (D + 1) / 2 * 2 : D;  // q's row length as the products read it
   const int64_t key_blocks = (S + kKeyBlock - 1) / kKeyBlock;
   const int64_t query_blocks = (Lq + kQueryBlock - 1) / kQueryBlock;
-  const float c = static_cast<float>(scale) * kLog2E;
+  // Soft-capped or biased scores are scaled before they are changed (modify_row): then only
+  // log2(e) is left to multiply them by.
+  const float c = rules.any() ? kLog2E : static_cast<float>(scale) * kLog2E;
 
   auto out = at::empty({NG, Lq, Dv}, q.options().dtype(at::kFloat));
   auto lse = at::empty({NG, Lq}, q.options().dtype(at::kFloat));
@@ -448,6 +528,11 @@ std::vector<at::Tensor> forward_impl(
           std::fill(p_row + first + seen, p_row + width, P(0.f));
           float* s_r = s + r * kScoreStride + first;  // from here on: the keys it may see
           P* p_r = p_row + first;
+          if (rules.any()) {
+            const float slope = rules.slopes == nullptr ? 0.f : rules.slopes[head];
+            const int64_t d0 = q0 + r + rules.shift - (k0 + first);
+            modify_row(s_r, seen, static_cast<float>(scale), rules.cap, slope, d0);
+          }
           if (m[r] == kNegInf) {  // the row's first keys: their maximum becomes m
             const float m_new = row_max(s_r, seen, c);
             if (m_new == kNegInf) {  // no key seen yet: nothing to add, unless a score is NaN
@@ -627,11 +712,11 @@ void weighted_sum(const float* p, const T* v, int64_t stride, int64_t n, int64_t
 template <typename T>
 std::vector<at::Tensor> decode_impl(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-    const KeyBounds& bounds) {
+    const KeyBounds& bounds, const ScoreRules& rules) {
   const int64_t NG = q.size(0), Lq = q.size(1), D = q.size(2);
   const int64_t N = k.size(0), S = k.size(1), Dv = v.size(2);
   const int64_t g = NG / N;
-  const float c = static_cast<float>(scale) * kLog2E;
+  const float c = rules.any() ? kLog2E : static_cast<float>(scale) * kLog2E;  // (forward_impl)
   auto out = at::empty({NG, Lq, Dv}, q.options().dtype(at::kFloat));
   auto lse = at::empty({NG, Lq}, q.options().dtype(at::kFloat));
   const T* qd = q.const_data_ptr<T>();
@@ -653,6 +738,10 @@ std::vector<at::Tensor> decode_impl(
       for (int64_t d = 0; d < D; ++d) query[d] = static_cast<float>(qd[z * D + d]);
       const T* keys = kd + (head / g) * k.stride(0) + lo * k.stride(1);
       dot_rows(query.data(), keys, k.stride(1), seen, D, p.data());
+      if (rules.any()) {
+        const float slope = rules.slopes == nullptr ? 0.f : rules.slopes[head];
+        modify_row(p.data(), seen, static_cast<float>(scale), rules.cap, slope, i + rules.shift - lo);
+      }
       const float m = row_max(p.data(), seen, c);
       float l = 0.f, *o = od + z * Dv;
       if (m == kNegInf) {  // no key (or only −inf scores): nothing to add, unless one is NaN
@@ -676,7 +765,8 @@ std::vector<at::Tensor> decode_impl(
 // number of them, 0 included): returns out (*B, Hq, Lq, Dv) and lse (*B, Hq, Lq), float32.
 std::vector<at::Tensor> decode(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
-    int64_t offset, const at::Tensor& ranges, int64_t heads_per_range) {
+    int64_t offset, const at::Tensor& ranges, int64_t heads_per_range, double softcap,
+    const at::Tensor& slopes) {
   TORCH_CHECK(q.dim() >= 3 && k.dim() == q.dim() && v.dim() == q.dim(), "q, k, v: same dims");
   TORCH_CHECK(q.sizes().slice(0, q.dim() - 3) == k.sizes().slice(0, k.dim() - 3) &&
               k.sizes().slice(0, k.dim() - 2) == v.sizes().slice(0, v.dim() - 2),
@@ -691,12 +781,13 @@ std::vector<at::Tensor> decode(
   const at::Tensor q3 = q.reshape({-1, q.size(-2), q.size(-1)}).contiguous();
   const KeyBounds bounds =
       key_bounds(causal, offset, k.size(-2), q.size(-2), ranges, heads_per_range);
+  const ScoreRules rules = score_rules(softcap, slopes, q3.size(0), k.size(-2), q.size(-2));
   std::vector<at::Tensor> result;
   if (q.scalar_type() == at::kBFloat16) {
-    result = decode_impl<at::BFloat16>(q3, rows(k), rows(v), scale, bounds);
+    result = decode_impl<at::BFloat16>(q3, rows(k), rows(v), scale, bounds, rules);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "float32 or bfloat16");
-    result = decode_impl<float>(q3, rows(k), rows(v), scale, bounds);
+    result = decode_impl<float>(q3, rows(k), rows(v), scale, bounds, rules);
   }
   std::vector<int64_t> shape(q.sizes().begin(), q.sizes().end());
   shape.back() = v.size(-1);
@@ -723,23 +814,25 @@ at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k_new, const at::T
   const int64_t S = start + L;
   const at::Tensor out =
       decode(q, k_buf.narrow(2, 0, S), v_buf.narrow(2, 0, S), scale, causal, offset, at::Tensor(),
-             1)[0];
+             1, 0.0, at::Tensor())[0];
   return out.to(q.scalar_type());
 }
 
 std::vector<at::Tensor> forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
-    int64_t offset, const at::Tensor& ranges, int64_t heads_per_range) {
+    int64_t offset, const at::Tensor& ranges, int64_t heads_per_range, double softcap,
+    const at::Tensor& slopes) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "need contiguous");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type());
   TORCH_CHECK(k.size(0) > 0 && q.size(0) % k.size(0) == 0, "heads must group");
   const KeyBounds bounds = key_bounds(causal, offset, k.size(1), q.size(1), ranges, heads_per_range);
+  const ScoreRules rules = score_rules(softcap, slopes, q.size(0), k.size(1), q.size(1));
   if (q.scalar_type() == at::kBFloat16) {
-    return forward_impl<at::BFloat16>(q, k, v, scale, causal, bounds);
+    return forward_impl<at::BFloat16>(q, k, v, scale, causal, bounds, rules);
   }
   TORCH_CHECK(q.scalar_type() == at::kFloat, "float32 or bfloat16");
-  return forward_impl<float>(q, k, v, scale, causal, bounds);
+  return forward_impl<float>(q, k, v, scale, causal, bounds, rules);
 }
 
 // Whether this CPU runs bfloat16 products in matrix units (otherwise bfloat16 goes as float32).

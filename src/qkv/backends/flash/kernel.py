@@ -115,21 +115,26 @@ def forward(
     scale: float,
     causal_offset: int | None,
     ranges: tuple[torch.Tensor, int] | None = None,
+    softcap: float | None = None,
+    slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``loop.forward`` (without a mask) on the compiled kernel: (out, lse) in float32, or None
     where it does not apply (``takes``). ``ranges``: (the keys [lo, hi) each query row may see,
     (R, Lq, 2) int64, and how many consecutive heads of q share one of the R), for a window or
-    packed sequences (``rules.kernel_ranges``); the causal rule is then part of them."""
+    packed sequences (``rules.kernel_ranges``); the causal rule is then part of them.
+    ``softcap``, and ALiBi ``slopes`` (one float32 per query head of the flattened (*B, Hq)),
+    change each score before its exponential."""
     if not takes(q, k, v):
         return None
     kernel = load()  # built and cached by takes
     assert kernel is not None
     causal = causal_offset is not None
     bounds, heads_per_range = (torch.empty(0, dtype=torch.long), 1) if ranges is None else ranges
+    rules = (softcap or 0.0, torch.empty(0) if slopes is None else slopes)
     if q.shape[-2] < DECODE_QUERIES:  # one row at a time, K/V read where they lie
         if q.dtype != torch.float16 and q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
             out, lse = kernel.decode(
-                q, k, v, scale, causal, causal_offset or 0, bounds, heads_per_range
+                q, k, v, scale, causal, causal_offset or 0, bounds, heads_per_range, *rules
             )
             return out, lse  # the common case: (*B, Hq, Lq, Dv), (*B, Hq, Lq) as they come
         dtype = torch.float32 if q.dtype == torch.float16 else q.dtype
@@ -143,6 +148,7 @@ def forward(
             causal_offset or 0,
             bounds,
             heads_per_range,
+            *rules,
         )
     else:
         low = q.dtype == torch.bfloat16 and kernel.bfloat16_products()
@@ -157,6 +163,7 @@ def forward(
             causal_offset or 0,
             bounds,
             heads_per_range,
+            *rules,
         )
     hq = q.shape[-3]
     return out.view(*batch, hq, *out.shape[1:]), lse.view(*batch, hq, lse.shape[-1])

@@ -117,13 +117,11 @@ def kernel_ranges(
 ) -> tuple[torch.Tensor, int] | None:
     """The compiled kernel's form of a causal rule, a window and packed sequences: the keys
     [lo, hi) each query row may see, (R, Lq, 2) int64 for R = 1 or R = prod(*batch) batch
-    entries, and the heads per entry. None where the kernel cannot take the rules (soft-capping,
-    ALiBi, segment ids whose keys are not contiguous runs); an empty tensor when there are none."""
+    entries, and the heads per entry. None where the kernel cannot take the rules (segment ids
+    whose keys are not contiguous runs); an empty tensor when there are none."""
     none = torch.empty(0, dtype=torch.long)
-    if rules is None or rules.empty:
+    if rules is None or (rules.window_offset is None and rules.segments is None):
         return none, 1
-    if rules.softcap is not None or rules.alibi_slopes is not None:
-        return None
     rows = torch.arange(lq)
     lo = torch.zeros(1, lq, dtype=torch.long)
     hi = torch.full((1, lq), lk, dtype=torch.long)
@@ -141,3 +139,12 @@ def kernel_ranges(
         lo, hi = torch.maximum(lo, first.cpu()), torch.minimum(hi, last.cpu() + 1)
         heads_per_range = hq
     return torch.stack([lo, hi], dim=-1).contiguous(), heads_per_range
+
+
+def kernel_slopes(rules: Rules | None, batch: tuple[int, ...], hq: int) -> torch.Tensor | None:
+    """ALiBi's slopes as the compiled kernel takes them: float32, one per query head of the
+    flattened (*batch, Hq)."""
+    if rules is None or rules.alibi_slopes is None:
+        return None
+    slopes = rules.alibi_slopes.detach().to(torch.float32).expand(*batch, hq)
+    return slopes.reshape(-1).contiguous().cpu()
