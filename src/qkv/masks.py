@@ -2,7 +2,11 @@
 
 **The convention: True (or 1) means "may attend".** A bool mask keeps the positions that are True;
 a float mask is added to the scaled scores (``-inf`` blocks). ``causal`` is turned into an integer
-offset: query ``i`` may attend key ``j`` iff ``j <= i + offset``.
+offset: query ``i`` may attend key ``j`` iff ``j <= i + offset``. A ``window`` becomes two such
+diagonals (its right edge joins the causal offset, its left edge is the window offset), and
+``segments`` (document ids, with the ``cu_seqlens`` converters) block keys of other documents;
+``tile_keep`` turns all of them into one tile's bool "may attend", and ALiBi's bias is computed
+per tile too (``alibi_bias``), so that flash never forms an (Lq, Lk) tensor.
 
 Legend: B batch, H heads, L / Lq query length, S / Lk key length, D features.
 """

@@ -36,8 +36,12 @@ keys into blocks (ring attention does) and add up the blocks' gradients.
 
 Masks: ``qkv.masks.tile_keep`` / ``tile_bias`` give each tile's part of the mask and causal rule,
 so a mask is only ever sliced, never expanded. Causal tiles entirely above the diagonal are
-skipped; tiles entirely below it need no mask at all. A query row with no key it may attend keeps
-l = 0: its output is 0, its lse −inf, and its gradient 0.
+skipped; tiles entirely below it need no mask at all. What real models add (``rules.py``):
+soft-capping and ALiBi change a tile's scores before the update above (and, in the backward
+pass, ds by soft-capping's derivative 1 − tanh², with the slopes' gradient −Σ ds · distance);
+key tiles outside a window or a query tile's segments are skipped like causal ones. Sinks are
+not here: they join each row after its last tile (``flash.with_sinks``). A query row with no
+key it may attend keeps l = 0: its output is 0, its lse −inf, and its gradient 0.
 
 The first tile of a row sets m, l and acc directly (the update above, starting from m = −inf,
 l = 0, acc = 0); a call whose keys fit in one tile, such as decoding one token against a KV cache,
