@@ -162,11 +162,11 @@ def attention_forward(
 
     # An additive bias per (head, query, key) joins the mask, which adds -inf where it blocks.
     mask = masks.combine(attention_mask, position_bias)
-    causal = False
-    if attention_mask is None:
-        # No mask from the model: its own causal rule, aligned for a cache (bottom-right).
-        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
-    structure = _structure(query.shape, key.shape[-2], attention_mask is None, kwargs)
+    # The layer's own causal rule; applied when the model passes no mask, aligned for a cache
+    # (bottom-right).
+    causal_layer = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
+    causal = causal_layer and attention_mask is None
+    structure = _structure(query.shape, key.shape[-2], attention_mask is None, causal_layer, kwargs)
 
     want_weights = _weights_requested(kwargs)
     result = attention(
@@ -193,22 +193,26 @@ def _first(kwargs: dict[str, Any], *names: str) -> Any:
 
 
 def _structure(
-    query_shape: torch.Size, lk: int, no_mask: bool, kwargs: dict[str, Any]
+    query_shape: torch.Size, lk: int, no_mask: bool, causal_layer: bool, kwargs: dict[str, Any]
 ) -> dict[str, Any]:
     """The window and the packed sequences a model passes, as ``window=`` and ``segments=``.
 
     transformers' mask already blocks what they block; passed as well, they let flash skip the
-    tiles outside them. ``sliding_window`` = w means what FlashAttention's window (w − 1, w − 1)
-    means, bottom-right aligned, which is the mask's alignment when the model passed no mask
-    or queries and keys have one length (with a static cache, the queries of a prefill are
-    not the last of its keys, so the window is left to the mask there). ``cu_seq_lens_q`` /
-    ``cu_seq_lens_k`` (a flattened batch of packed sequences) become segment ids.
+    tiles outside them. In a causal layer ``sliding_window`` = w means the w most recent keys
+    (transformers' mask and FlashAttention's window (w − 1, ·) agree), ``window=(w − 1, 0)``,
+    bottom-right aligned: the mask's alignment when the model passed no mask or queries and keys
+    have one length (with a static cache, a prefill's queries are not the last of its keys, so
+    the window is left to the mask there). A bidirectional layer's w is left to the mask: its
+    meaning differs between families (modernbert passes one more than its mask's reach,
+    t5gemma's encoder the reach itself). ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (a flattened
+    batch of packed sequences) become segment ids.
     """
     structure: dict[str, Any] = {}
     batch, lq = query_shape[0], query_shape[-2]
     sliding_window = kwargs.get("sliding_window")
-    if isinstance(sliding_window, int) and sliding_window > 0 and (no_mask or lq == lk):
-        structure["window"] = (sliding_window - 1, sliding_window - 1)
+    known = causal_layer and (no_mask or lq == lk)
+    if isinstance(sliding_window, int) and sliding_window > 0 and known:
+        structure["window"] = (sliding_window - 1, 0)
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if not (isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor) and batch == 1):
         return structure
