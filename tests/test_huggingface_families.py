@@ -289,6 +289,49 @@ def test_family_generates_like_eager(name: str) -> None:
         torch.testing.assert_close(step_got, step_expected, atol=ATOL, rtol=ATOL)
 
 
+@pytest.mark.parametrize("name", list(families()))
+def test_family_matches_eager_without_padding(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No padding: decoders' full-attention layers build no (Lq, Lk) mask at all
+    (transformers' causal shortcut); the layer's causal rule applies in qkv."""
+    eager, ours = model_pair(name)
+    input_ids, _ = padded_batch()
+    extra: dict[str, Any] = {}
+    if name in SEQ2SEQ_MODELS:
+        extra["decoder_input_ids"] = input_ids[:, :5]
+    calls = spy(monkeypatch)
+    with torch.no_grad():
+        expected = eager(input_ids=input_ids, **extra)
+        got = ours(input_ids=input_ids, **extra)
+    key = "last_hidden_state" if name in ENCODERS else "logits"
+    torch.testing.assert_close(got[key], expected[key], atol=ATOL, rtol=ATOL)
+    if name not in ENCODERS and name not in SEQ2SEQ_MODELS:
+        # (sliding-window layers whose window the keys reach past still get transformers' mask)
+        full_layers = [call for call in calls if "window" not in call]
+        assert all(call["mask"] is None and call["causal"] for call in full_layers)
+        assert full_layers or name == "mistral"  # mistral's layers are all sliding
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt_oss", "gpt2"])
+def test_static_cache_generation_matches_eager(name: str) -> None:
+    """A static cache: its keys are the cache's whole capacity, so a prefill's queries are not
+    the last of them; the mask (never skipped there) keeps qkv right."""
+    eager, ours = model_pair(name)
+    input_ids, attention_mask = padded_batch()
+    kwargs = dict(
+        attention_mask=attention_mask,
+        max_new_tokens=4,
+        do_sample=False,
+        cache_implementation="static",
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    expected = eager.generate(input_ids, **kwargs)
+    got = ours.generate(input_ids, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for step_got, step_expected in zip(got.logits, expected.logits, strict=True):
+        torch.testing.assert_close(step_got, step_expected, atol=ATOL, rtol=ATOL)
+
+
 def spy(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """The keyword arguments of every qkv.attention call the integration makes."""
     calls: list[dict[str, Any]] = []

@@ -119,17 +119,19 @@ def _refuse_models_outside_the_interface(model_class: type) -> None:
 
 
 def mask_forward(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """transformers' mask function for qkv: a bool (B, 1, Lq, Lk) mask, True = may attend.
+    """transformers' mask function for qkv: a bool (B, 1, Lq, Lk) mask, True = may attend, or
+    None where the layer's causal rule and window say all of it.
 
-    It is transformers' own ``sdpa_mask`` (the same mask, in the same convention as qkv) with
-    its shortcuts turned off: those return no mask and leave the causal rule to a flag whose
-    alignment differs with the cache (top-left for a static cache's prefill), and drop the
-    bidirectional mask of models whose layers still say ``is_causal``. With every mask built
-    here, a missing mask only ever means the caller passed none.
+    It is transformers' own ``sdpa_mask`` (the same mask, in the same convention as qkv). Its
+    causal shortcut is kept: transformers takes it only with no padding, for one query or as
+    many queries as keys (where both alignments agree), never when decoding into a static
+    cache, nor with a window the keys reach past; then no (Lq, Lk) mask is built at all and the
+    layer's causal rule applies, bottom-right, with its window (``attention_forward``). The
+    bidirectional shortcut is turned off: it would drop the mask of models whose layers still
+    say ``is_causal``.
     """
     from transformers.masking_utils import sdpa_mask
 
-    kwargs["allow_is_causal_skip"] = False
     kwargs["allow_is_bidirectional_skip"] = False
     return sdpa_mask(*args, **kwargs)
 
