@@ -13,7 +13,7 @@ from typing import Literal, overload
 
 import torch
 
-from qkv import _checks, observers
+from qkv import _checks, logsumexp, observers
 from qkv.backends import dispatch
 from qkv.backends.base import CacheWrite, Call
 from qkv.cache import KVCache
@@ -314,11 +314,6 @@ def merge(
             f"{_checks.shape_str(lse_b.shape)}"
         )
     dtype = torch.promote_types(lse_a.dtype, torch.float32)
-    lse = torch.logaddexp(lse_a.to(dtype), lse_b.to(dtype))  # (*batch, Hq, Lq)
-    # exp(-inf - lse) is 0 for an empty set; a row empty in both has lse = -inf: measure it
-    # from 0 instead, so both shares are exp(-inf) = 0, never exp(-inf + inf) = NaN.
-    reference = lse.masked_fill(lse == float("-inf"), 0.0)
-    share_a = torch.exp(lse_a.to(dtype) - reference)[..., None]
-    share_b = torch.exp(lse_b.to(dtype) - reference)[..., None]
-    out = share_a * out_a.to(dtype) + share_b * out_b.to(dtype)
+    lse, share_a, share_b = logsumexp.shares(lse_a.to(dtype), lse_b.to(dtype))  # (*batch, Hq, Lq)
+    out = share_a[..., None] * out_a.to(dtype) + share_b[..., None] * out_b.to(dtype)
     return out.to(out_a.dtype), lse.to(lse_a.dtype)

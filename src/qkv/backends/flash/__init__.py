@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from qkv import _checks
+from qkv import _checks, logsumexp
 from qkv.backends.base import CacheWrite, Call
 from qkv.backends.flash import kernel, loop
 from qkv.backends.flash.loop import KEY_TILE, QUERY_TILE, backward
@@ -80,9 +80,9 @@ def with_sinks(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out (*B, Hq, Lq, Dv) and lse (*B, Hq, Lq) of attention with one more key per head, of
     logit sinks[h] (Hq,) and value 0: ``qkv.merge`` with a key set whose output is 0."""
-    sink = sinks.detach().to(lse.dtype)[:, None]  # (Hq, 1)
-    lse_all = torch.logaddexp(lse, sink)  # (*B, Hq, Lq), finite: the sink is always there
-    return out * torch.exp(lse - lse_all)[..., None].to(out.dtype), lse_all
+    sink = sinks.detach().to(lse.dtype)[:, None].expand_as(lse)  # (*B, Hq, Lq)
+    lse_all, share, _ = logsumexp.shares(lse, sink)
+    return out * share[..., None].to(out.dtype), lse_all
 
 
 def runs_compiled(call: Call) -> bool:
