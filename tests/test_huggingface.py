@@ -232,6 +232,8 @@ def test_softcap_and_sinks_are_arguments_and_paged_caches_an_error() -> None:
     expected = qkv.attention(q, k, v, causal=True, softcap=0.5, sinks=sinks)
     torch.testing.assert_close(out, expected.transpose(1, 2))
     assert not torch.allclose(out, qkv.attention(q, k, v, causal=True).transpose(1, 2))
+    uncapped, _ = huggingface.attention_forward(_Layer(True), q, k, v, None, softcap=0.0)
+    torch.testing.assert_close(uncapped, qkv.attention(q, k, v, causal=True).transpose(1, 2))
 
     class PagedAttentionCache:
         pass

@@ -180,7 +180,7 @@ def attention_forward(
         scale=scaling,
         dropout_p=float(dropout),
         return_weights=want_weights,
-        softcap=kwargs.get("softcap"),
+        softcap=kwargs.get("softcap") or None,  # 0: none, as in FlashAttention
         sinks=_first(kwargs, "s_aux", "sinks"),
         **structure,
     )
