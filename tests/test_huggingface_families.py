@@ -291,8 +291,8 @@ def test_family_generates_like_eager(name: str) -> None:
 
 @pytest.mark.parametrize("name", list(families()))
 def test_family_matches_eager_without_padding(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No padding: decoders' full-attention layers build no (Lq, Lk) mask at all
-    (transformers' causal shortcut); the layer's causal rule applies in qkv."""
+    """No padding: decoders build no (Lq, Lk) mask at all, also in sliding-window layers whose
+    window the keys reach past; the layer's causal rule and window apply in qkv."""
     eager, ours = model_pair(name)
     input_ids, _ = padded_batch()
     extra: dict[str, Any] = {}
@@ -305,23 +305,25 @@ def test_family_matches_eager_without_padding(name: str, monkeypatch: pytest.Mon
     key = "last_hidden_state" if name in ENCODERS else "logits"
     torch.testing.assert_close(got[key], expected[key], atol=ATOL, rtol=ATOL)
     if name not in ENCODERS and name not in SEQ2SEQ_MODELS:
-        # (sliding-window layers whose window the keys reach past still get transformers' mask)
-        full_layers = [call for call in calls if "window" not in call]
-        assert all(call["mask"] is None and call["causal"] for call in full_layers)
-        assert full_layers or name == "mistral"  # mistral's layers are all sliding
+        assert all(call["mask"] is None and call["causal"] for call in calls)
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt_oss", "gpt2"])
-def test_static_cache_generation_matches_eager(name: str) -> None:
-    """A static cache: its keys are the cache's whole capacity, so a prefill's queries are not
-    the last of them; the mask (never skipped there) keeps qkv right."""
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2", "gpt_oss", "gpt2"])
+def test_generation_with_either_cache_matches_eager(name: str, cache: str, padded: bool) -> None:
+    """A static cache's keys are its whole capacity, so a prefill's queries are not the last of
+    them: its masks are never skipped. Unpadded decoding into a dynamic cache builds no mask,
+    and sliding layers (window 4, 7 new tokens) get theirs from qkv's window."""
     eager, ours = model_pair(name)
     input_ids, attention_mask = padded_batch()
+    if not padded:
+        attention_mask = torch.ones_like(attention_mask)
     kwargs = dict(
         attention_mask=attention_mask,
-        max_new_tokens=4,
+        max_new_tokens=7,
         do_sample=False,
-        cache_implementation="static",
+        cache_implementation=cache,
         return_dict_in_generate=True,
         output_logits=True,
     )

@@ -123,16 +123,26 @@ def mask_forward(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     None where the layer's causal rule and window say all of it.
 
     It is transformers' own ``sdpa_mask`` (the same mask, in the same convention as qkv). Its
-    causal shortcut is kept: transformers takes it only with no padding, for one query or as
-    many queries as keys (where both alignments agree), never when decoding into a static
-    cache, nor with a window the keys reach past; then no (Lq, Lk) mask is built at all and the
-    layer's causal rule applies, bottom-right, with its window (``attention_forward``). The
-    bidirectional shortcut is turned off: it would drop the mask of models whose layers still
-    say ``is_causal``.
+    causal shortcut is kept where qkv's bottom-right causal rule means what the skipped mask
+    meant: with no padding, for one query or as many queries as keys (where both alignments
+    agree), never when decoding into a static cache. (transformers also takes it for a static
+    cache's prefill, whose queries are the first of the cache's keys, top-left: not here.) Then
+    no (Lq, Lk) mask is built at all and the layer's causal rule applies (``attention_forward``).
+    transformers does not take it for a sliding window
+    the keys reach past (``local_size``), because torch's kernel has no window; qkv has one, and
+    a sliding layer passes its window to the attention function (as FlashAttention needs), so
+    qkv takes the shortcut there too, except for chunked attention, which ``local_size`` also
+    describes. The bidirectional shortcut is turned off: it would drop the mask of models whose
+    layers still say ``is_causal``.
     """
     from transformers.masking_utils import sdpa_mask
 
     kwargs["allow_is_bidirectional_skip"] = False
+    if kwargs.get("q_length") not in (1, kwargs.get("kv_length")):
+        kwargs["allow_is_causal_skip"] = False
+    chunked = getattr(kwargs.get("config"), "attention_chunk_size", None) is not None
+    if kwargs.get("local_size") is not None and not chunked:
+        kwargs["local_size"] = None  # a sliding window: qkv applies it (see above)
     return sdpa_mask(*args, **kwargs)
 
 
@@ -168,6 +178,8 @@ def attention_forward(
     # (bottom-right).
     causal_layer = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
     causal = causal_layer and attention_mask is None
+    if attention_mask is None and kwargs.get("sliding_window") is None:
+        kwargs["sliding_window"] = getattr(module, "sliding_window", None)  # (the mask skipped it)
     structure = _structure(query.shape, key.shape[-2], attention_mask is None, causal_layer, kwargs)
 
     want_weights = _weights_requested(kwargs)
