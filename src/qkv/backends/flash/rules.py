@@ -66,6 +66,7 @@ class TileRules:
             first, last, _ = masks.segment_spans(rules.segments)
             self.spans = first.amin(dim=0), last.amax(dim=0)
         self.cap_derivative: torch.Tensor | None = None  # (N, R, kt): d capped / d raw score
+        self._buffer: torch.Tensor | None = None
         self.grad = grad
 
     def key_range(self, offset: int | None, q0: int, q1: int) -> tuple[int, int]:
@@ -78,14 +79,22 @@ class TileRules:
         if cap is not None:
             cap2 = cap * LOG2_E  # softcap · tanh(s / softcap), both sides in base 2
             tanh = scores.div_(cap2).tanh_()
-            if self.grad:  # d/ds softcap · tanh(s / softcap) = 1 − tanh²
-                self.cap_derivative = 1.0 - tanh.square()
+            if self.grad:  # d/ds softcap · tanh(s / softcap) = 1 − tanh², in a reused buffer
+                derivative = self._derivative_buffer(tanh)
+                self.cap_derivative = torch.mul(tanh, tanh, out=derivative).neg_().add_(1.0)
             tanh.mul_(cap2)
         if self.slopes is not None:
             n, g = self.slopes.shape
             per_head = scores.view(n, g, q1 - q0, k1 - k0)
             distance = self._distance(q0, q1, k0, k1, scores.dtype)
             per_head.sub_(self.slopes[..., None, None] * distance)
+
+    def _derivative_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped as ``like`` in memory kept for the call (fresh tile-sized allocations
+        cost page faults that rival the arithmetic)."""
+        if self._buffer is None or self._buffer.numel() < like.numel():
+            self._buffer = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
+        return self._buffer[: like.numel()].view(like.shape)
 
     def lower_in(self, q0: int, q1: int, k0: int) -> int | None:
         """The window offset if some pair of the tile lies left of the window, else None."""
