@@ -42,6 +42,18 @@ def test_self_attention_passes_softcap_sinks_and_window_to_attention() -> None:
     assert "softcap=2.0, sinks=True, window=3" in repr(attention)
 
 
+def test_self_attention_alibi_uses_the_papers_slopes() -> None:
+    torch.manual_seed(0)
+    attention = qkv.SelfAttention(16, heads=4, causal=True, alibi=True).double()
+    assert attention.alibi_slopes.tolist() == [2**-2, 2**-4, 2**-6, 2**-8]
+    assert "alibi_slopes" in attention.state_dict() and "alibi=True" in repr(attention)
+    x = torch.randn(1, 5, 16, dtype=f64)
+    q, k, v = attention.qkv_proj(x).view(1, 5, 12, 4).transpose(1, 2).split(4, dim=1)
+    expected = qkv.attention(q, k, v, causal=True, alibi_slopes=attention.alibi_slopes)
+    expected = attention.out_proj(expected.transpose(1, 2).reshape(1, 5, 16))
+    torch.testing.assert_close(attention(x), expected, atol=1e-12, rtol=1e-12)
+
+
 def test_self_attention_checks_the_new_arguments() -> None:
     with pytest.raises(ValueError, match=r"window=4 .* needs causal=True"):
         qkv.SelfAttention(16, heads=2, window=4)
@@ -49,6 +61,8 @@ def test_self_attention_checks_the_new_arguments() -> None:
         qkv.SelfAttention(16, heads=2, softcap=-1.0)
     with pytest.raises(TypeError, match="sinks must be a bool"):
         qkv.SelfAttention(16, heads=2, sinks=1)
+    with pytest.raises(TypeError, match="alibi must be a bool"):
+        qkv.SelfAttention(16, heads=2, alibi="yes")
 
 
 def test_cached_decoding_with_sinks_softcap_and_window_equals_one_pass() -> None:
