@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from qkv import cli
-from qkv.bench import auto, cases, decode, memory, timing
+from qkv.bench import arguments, auto, cases, decode, memory, timing
 
 
 def test_a_small_run_writes_the_table_json_and_plot(
@@ -150,6 +150,26 @@ def test_the_auto_table_gives_each_backend_and_the_ratio(
     table = auto.format_auto(rows)
     assert "auto/fastest" in table and "tiny padded, grouped, backward" in table
     assert len(capsys.readouterr().err.splitlines()) == len(scenarios)
+
+
+def test_the_arguments_table_times_each_argument_against_the_plain_call(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json = tmp_path / "arguments.json"
+    argv = ["bench", "--arguments", "64", "--heads", "2", "--dim", "8", "--repeats", "2"]
+    assert cli.main([*argv, "--json", str(out_json)]) == 0
+    rows = json.loads(out_json.read_text())["arguments"]
+    assert [(r["pass"], r["variant"]) for r in rows] == [
+        (p, v) for p in cases.PASSES for v in arguments.VARIANTS
+    ]
+    for row in rows:
+        assert row["ms"] > 0 and row["path"] in ("kernel", "loop")
+        if row["variant"] == "causal":
+            assert row["vs_causal"] == 1.0
+    assert {r["path"] for r in rows} == {"kernel"}  # the compiled kernel takes them all
+    captured = capsys.readouterr()
+    assert "vs causal" in captured.out and "+ window=T/32" in captured.out
+    assert len(captured.err.splitlines()) == len(cases.PASSES)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="peak memory is read from Linux's rusage")

@@ -224,10 +224,22 @@ def test_register_returns_the_name_and_refuses_transformers_own() -> None:
         huggingface.register("")
 
 
-def test_unsupported_arguments_are_an_error() -> None:
-    q = torch.randn(1, 2, 3, 4)
-    with pytest.raises(ValueError, match="softcap"):
-        huggingface.attention_forward(_Layer(True), q, q, q, None, softcap=30.0)
+def test_softcap_and_sinks_are_arguments_and_paged_caches_an_error() -> None:
+    generator = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 3, 4, generator=generator) for _ in range(3))
+    sinks = torch.randn(2, generator=generator)
+    out, _ = huggingface.attention_forward(_Layer(True), q, k, v, None, softcap=0.5, s_aux=sinks)
+    expected = qkv.attention(q, k, v, causal=True, softcap=0.5, sinks=sinks)
+    torch.testing.assert_close(out, expected.transpose(1, 2))
+    assert not torch.allclose(out, qkv.attention(q, k, v, causal=True).transpose(1, 2))
+    uncapped, _ = huggingface.attention_forward(_Layer(True), q, k, v, None, softcap=0.0)
+    torch.testing.assert_close(uncapped, qkv.attention(q, k, v, causal=True).transpose(1, 2))
+
+    class PagedAttentionCache:
+        pass
+
+    with pytest.raises(ValueError, match="paged caches"):
+        huggingface.attention_forward(_Layer(True), q, k, v, None, cache=PagedAttentionCache())
 
 
 def test_missing_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,8 +5,14 @@
 
 from qkv.cache import KVCache
 from qkv.checker import check
-from qkv.functional import attention, attention_with_cache
-from qkv.masks import causal_mask, padding_mask, sliding_window_mask
+from qkv.functional import attention, attention_with_cache, merge
+from qkv.masks import (
+    causal_mask,
+    cu_seqlens_from_segments,
+    padding_mask,
+    segments_from_cu_seqlens,
+    sliding_window_mask,
+)
 from qkv.modules import SelfAttention
 from qkv.multihead import MultiheadAttention
 from qkv.trace import trace
@@ -19,7 +25,10 @@ __all__ = [
     "attention_with_cache",
     "causal_mask",
     "check",
+    "cu_seqlens_from_segments",
+    "merge",
     "padding_mask",
+    "segments_from_cu_seqlens",
     "sliding_window_mask",
     "trace",
 ]

@@ -149,3 +149,82 @@ def broadcastable(name: str, shape: Sequence[int], target: Sequence[int], target
             f"{name} of shape {shape_str(shape)} is not broadcastable to {target_desc} "
             f"= {shape_str(target)}"
         )
+
+
+def positive_float(name: str, value: Any) -> float:
+    """A finite real number > 0."""
+    number = finite_float(name, value)
+    if number <= 0:
+        raise ValueError(f"{name} must be > 0, got {number}")
+    return number
+
+
+def head_values(
+    name: str, x: Any, q: torch.Tensor, target: Sequence[int], expected: str
+) -> torch.Tensor:
+    """A floating tensor of per-head values (last dim Hq) on q's device that broadcasts to
+    ``target`` = (*batch, Hq)."""
+    tensor(name, x, min_ndim=1)
+    floating(name, x)
+    if x.shape[-1] != target[-1]:
+        raise ValueError(
+            f"{name} must have one value per query head, shape {expected} with Hq = "
+            f"{target[-1]}, got {shape_str(x.shape)}"
+        )
+    broadcastable(name, x.shape, target, expected)
+    same_device(("q", name), (q, x))
+    checked: torch.Tensor = x
+    return checked
+
+
+def window(name: str, value: Any, causal: Any) -> int | tuple[int | None, int | None]:
+    """A local window: a positive int w (the w most recent keys; needs a causal rule aligned
+    bottom-right) or a (left, right) pair of ints >= 0 or None (unbounded)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        positive_int(name, value)
+        if causal not in (True, "bottom-right"):
+            raise ValueError(
+                f"{name}={value} (the {value} most recent keys) needs causal=True, got "
+                f"causal={causal!r}; pass window=(left, right) for a window that is not causal"
+            )
+        return value
+    if not isinstance(value, tuple) or len(value) != 2:
+        raise TypeError(
+            f"{name} must be an int or a (left, right) tuple of ints or None, got {value!r}"
+        )
+    for side, bound in zip(("left", "right"), value):
+        if bound is not None:
+            non_negative_int(f"{name}[{side}]", bound)
+    left, right = value
+    return left, right
+
+
+def segments(
+    name: str, value: Any, q: torch.Tensor, batch: Sequence[int], lq: int, lk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segment ids: one integer tensor (*batch, Lk) (queries take its last Lq ids, the alignment
+    of a KV cache) or a (query ids (*batch, Lq), key ids (*batch, Lk)) pair."""
+    pair = isinstance(value, tuple)
+    if pair and len(value) != 2:
+        raise TypeError(f"{name} must be a tensor or a (query ids, key ids) pair, got {value!r}")
+    ids = value if pair else (value, value)
+    for part, x, length in zip(("query ids", "key ids"), ids, (lq, lk)):
+        label = f"{name} ({part})" if pair else name
+        tensor(label, x, min_ndim=1)
+        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+            raise TypeError(f"{label} must be an integer tensor of segment ids, got {x.dtype}")
+        expected = length if pair else lk
+        if x.shape[-1] != expected:
+            raise ValueError(
+                f"{label} must have length {'Lq' if pair and part == 'query ids' else 'Lk'} = "
+                f"{expected} in its last dim, got shape {shape_str(x.shape)}"
+            )
+        broadcastable(label, x.shape[:-1], batch, "the batch dims (*batch)")
+        same_device(("q", label), (q, x))
+    if not pair and lq > lk:
+        raise ValueError(
+            f"{name} as one tensor of Lk ids gives the queries its last Lq ids, which needs "
+            f"Lq <= Lk, got Lq = {lq} and Lk = {lk}; pass (query ids, key ids)"
+        )
+    query_ids, key_ids = ids
+    return (query_ids if pair else query_ids[..., lk - lq :]), key_ids

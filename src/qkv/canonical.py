@@ -11,6 +11,7 @@ S/Lk key length, D features (Dk query/key, Dv value).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 import torch
@@ -20,6 +21,8 @@ from qkv.backends.base import Call, default_scale
 from qkv.backends.dispatch import NAMES
 
 Causal = bool | Literal["bottom-right", "top-left"]
+Window = int | tuple[int | None, int | None] | None
+Segments = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
 
 
 def canonical_call(
@@ -33,6 +36,12 @@ def canonical_call(
     dropout_p: Any,
     return_weights: Any,
     backend: Any,
+    softcap: Any = None,
+    sinks: Any = None,
+    alibi_slopes: Any = None,
+    window: Any = None,
+    segments: Any = None,
+    return_lse: Any = False,
 ) -> tuple[Call, bool]:
     """Check every argument and build the backend's ``Call``; True if a head dim was added."""
     _check_tensors(q, k, v)
@@ -57,7 +66,48 @@ def canonical_call(
         scores_shape = (*batch, q.shape[-3], q.shape[-2], k.shape[-2])
         target = scores_shape[1:] if squeeze_head else scores_shape
         _checks.mask("mask", mask, target, "(*batch, Hq, Lq, Lk)")
-    return make_call(q, k, v, mask, causal, scale, dropout_p, return_weights), squeeze_head
+    call = make_call(q, k, v, mask, causal, scale, dropout_p, return_weights)
+    plain = softcap is None and sinks is None and alibi_slopes is None and window is None
+    if plain and segments is None and return_lse is False:  # the common call: nothing more
+        return call, squeeze_head
+    extras = _extras(
+        call, batch, causal, softcap, sinks, alibi_slopes, window, segments, return_lse
+    )
+    return dataclasses.replace(call, **extras), squeeze_head
+
+
+def _extras(
+    call: Call,
+    batch: tuple[int, ...],
+    causal: Any,
+    softcap: Any,
+    sinks: Any,
+    alibi_slopes: Any,
+    window: Any,
+    segments: Any,
+    return_lse: Any,
+) -> dict[str, Any]:
+    """The checked softcap, sinks, ALiBi slopes, window and segments of a call, as ``Call``
+    fields (the window folded into its causal offset and a window offset)."""
+    hq, lq, lk = call.q.shape[-3], call.q.shape[-2], call.k.shape[-2]
+    extras: dict[str, Any] = {"return_lse": _checks.boolean("return_lse", return_lse)}
+    if softcap is not None:
+        extras["softcap"] = _checks.positive_float("softcap", softcap)
+    if sinks is not None:
+        extras["sinks"] = _checks.head_values("sinks", sinks, call.q, (hq,), "(Hq,)")
+    if alibi_slopes is not None:
+        extras["alibi_slopes"] = _checks.head_values(
+            "alibi_slopes", alibi_slopes, call.q, (*batch, hq), "(Hq,) or (*batch, Hq)"
+        )
+    if window is not None:
+        upper, lower = masks.window_offsets(_checks.window("window", window, causal), lq, lk)
+        if call.causal_offset is not None:  # a key must pass the causal rule and the window
+            upper = call.causal_offset if upper is None else min(upper, call.causal_offset)
+        extras["causal_offset"] = None if upper is not None and upper >= lk - 1 else upper
+        extras["window_offset"] = None if lower is not None and lower <= 1 - lq else lower
+    if segments is not None:
+        extras["segments"] = _checks.segments("segments", segments, call.q, batch, lq, lk)
+    return extras
 
 
 def _check_tensors(q: Any, k: Any, v: Any) -> None:

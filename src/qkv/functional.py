@@ -13,11 +13,14 @@ from typing import Literal, overload
 
 import torch
 
-from qkv import observers
+from qkv import _checks, logsumexp, observers
 from qkv.backends import dispatch
 from qkv.backends.base import CacheWrite, Call
 from qkv.cache import KVCache
-from qkv.canonical import Causal, canonical_call
+from qkv.canonical import Causal, Segments, Window, canonical_call
+
+# attention's result: out, or (out, weights), (out, lse) or (out, weights, lse) as asked
+Returned = torch.Tensor | tuple[torch.Tensor, ...]
 
 
 @overload
@@ -32,6 +35,12 @@ def attention(
     dropout_p: float = ...,
     return_weights: Literal[False] = ...,
     backend: str = ...,
+    softcap: float | None = ...,
+    sinks: torch.Tensor | None = ...,
+    alibi_slopes: torch.Tensor | None = ...,
+    window: Window = ...,
+    segments: Segments = ...,
+    return_lse: Literal[False] = ...,
 ) -> torch.Tensor: ...
 @overload
 def attention(
@@ -45,7 +54,51 @@ def attention(
     dropout_p: float = ...,
     return_weights: Literal[True],
     backend: str = ...,
+    softcap: float | None = ...,
+    sinks: torch.Tensor | None = ...,
+    alibi_slopes: torch.Tensor | None = ...,
+    window: Window = ...,
+    segments: Segments = ...,
+    return_lse: Literal[False] = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = ...,
+    causal: Causal = ...,
+    scale: float | None = ...,
+    dropout_p: float = ...,
+    return_weights: Literal[False] = ...,
+    backend: str = ...,
+    softcap: float | None = ...,
+    sinks: torch.Tensor | None = ...,
+    alibi_slopes: torch.Tensor | None = ...,
+    window: Window = ...,
+    segments: Segments = ...,
+    return_lse: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = ...,
+    causal: Causal = ...,
+    scale: float | None = ...,
+    dropout_p: float = ...,
+    return_weights: Literal[True],
+    backend: str = ...,
+    softcap: float | None = ...,
+    sinks: torch.Tensor | None = ...,
+    alibi_slopes: torch.Tensor | None = ...,
+    window: Window = ...,
+    segments: Segments = ...,
+    return_lse: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 @overload
 def attention(
     q: torch.Tensor,
@@ -58,7 +111,13 @@ def attention(
     dropout_p: float = ...,
     return_weights: bool = ...,
     backend: str = ...,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+    softcap: float | None = ...,
+    sinks: torch.Tensor | None = ...,
+    alibi_slopes: torch.Tensor | None = ...,
+    window: Window = ...,
+    segments: Segments = ...,
+    return_lse: bool = ...,
+) -> Returned: ...
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -70,7 +129,13 @@ def attention(
     dropout_p: float = 0.0,
     return_weights: bool = False,
     backend: str = "auto",
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    window: Window = None,
+    segments: Segments = None,
+    return_lse: bool = False,
+) -> Returned:
     """Scaled dot-product attention: ``softmax(q kᵀ · scale + mask) v``.
 
     Shapes (leading dims broadcast by torch rules)::
@@ -79,6 +144,7 @@ def attention(
         k: (*batch, Hkv, Lk, Dk)
         v: (*batch, Hkv, Lk, Dv)
         returns out: (*batch, Hq, Lq, Dv) in q's dtype [, weights: (*batch, Hq, Lq, Lk)]
+                     [, lse: (*batch, Hq, Lq)]
 
     When ``Hq`` is a multiple g > 1 of ``Hkv`` (grouped-query / multi-query attention), key/value
     head j serves query heads j*g ... j*g+g-1.
@@ -91,6 +157,23 @@ def attention(
     ``scale`` defaults to 1/sqrt(Dk). ``dropout_p`` drops attention weights (survivors scaled by
     1/(1-p)) whenever > 0. ``return_weights`` also returns the softmax weights before dropout.
     ``backend``: "auto", "reference", "flash" or "sdpa"; all give the same answer.
+
+    What real models add (each None by default; all combine with each other and the above):
+
+    - ``softcap``: each scaled score s becomes softcap · tanh(s / softcap) (Gemma 2), before
+      ALiBi and the mask are added.
+    - ``sinks`` (Hq,): one logit per query head for a virtual key with value 0 that joins every
+      row's softmax (gpt-oss); returned weights leave it out, so rows sum to less than 1.
+    - ``alibi_slopes`` (Hq,) or (*batch, Hq): adds -slope · |i + Lk - Lq - j| to the scores.
+    - ``window``: (left, right) lets query i attend key j iff i' - left <= j <= i' + right with
+      i' = i + Lk - Lq (None: unbounded); an int w is (w - 1, 0), the w most recent keys, and
+      needs ``causal=True``.
+    - ``segments``: integer ids, (*batch, Lk) (the queries take the last Lq) or a pair
+      ((*batch, Lq), (*batch, Lk)); query i may attend key j only if their ids are equal
+      (packed sequences; ``segments_from_cu_seqlens`` converts ``cu_seqlens``).
+    - ``return_lse``: also return each row's natural log-sum-exp of its scaled, capped, biased
+      scores over allowed keys and the sink (-inf for a row with neither), in float32 (float64
+      for float64 inputs); ``merge`` combines two calls over two sets of keys with it.
 
     A query with no key it may attend gives 0 output, 0 weights and 0 gradient (never NaN).
     float16/bfloat16 inputs are computed with float32 scores, softmax and sums.
@@ -105,8 +188,14 @@ def attention(
         dropout_p=dropout_p,
         return_weights=return_weights,
         backend=backend,
+        softcap=softcap,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
+        window=window,
+        segments=segments,
+        return_lse=return_lse,
     )
-    return _run(call, backend, squeeze_head, return_weights)
+    return _run(call, backend, squeeze_head)
 
 
 def attention_with_cache(
@@ -121,7 +210,13 @@ def attention_with_cache(
     dropout_p: float = 0.0,
     return_weights: bool = False,
     backend: str = "auto",
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    window: Window = None,
+    segments: Segments = None,
+    return_lse: bool = False,
+) -> Returned:
     """Write this step's keys and values into ``cache`` and attend to everything cached.
 
     Shapes::
@@ -157,29 +252,68 @@ def attention_with_cache(
         dropout_p=dropout_p,
         return_weights=return_weights,
         backend=backend,
+        softcap=softcap,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
+        window=window,
+        segments=segments,
+        return_lse=return_lse,
     )
-    result = _run(call, backend, squeeze_head, return_weights, step.write)
+    result = _run(call, backend, squeeze_head, step.write)
     cache.commit(step)
     return result
 
 
-def _run(
-    call: Call,
-    backend: str,
-    squeeze_head: bool,
-    return_weights: bool,
-    write: CacheWrite | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def _run(call: Call, backend: str, squeeze_head: bool, write: CacheWrite | None = None) -> Returned:
     """Run a canonical call on ``backend`` and tell an active observer (``qkv.trace``); return
-    the output, and the weights if the caller asked for them."""
-    out, weights = dispatch.run(call, backend, write)
+    the output, then the weights and the log-sum-exp if the caller asked for them."""
+    out, weights, lse = dispatch.run(call, backend, write)
     observer = observers.current()
     if observer is not None:
         observer.record(call, out, weights)
     if squeeze_head:
         out = out.squeeze(-3)
         weights = None if weights is None else weights.squeeze(-3)
-    if return_weights:
+        lse = None if lse is None else lse.squeeze(-2)
+    if not (call.return_weights or call.return_lse):
+        return out
+    returned = [out]
+    if call.return_weights:
         assert weights is not None
-        return out, weights
-    return out
+        returned.append(weights)
+    if call.return_lse:
+        assert lse is not None
+        returned.append(lse)
+    return tuple(returned)
+
+
+def merge(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over two sets of keys from attention over each: ``(out, lse)``.
+
+    Shapes: out_a, out_b (*batch, Hq, Lq, Dv); lse_a, lse_b (*batch, Hq, Lq), as returned by
+    ``attention(..., return_lse=True)`` over keys A and over keys B of the same queries. A row's
+    softmax over A ∪ B gives A the share exp(lse_a − lse) of its weight, with
+    lse = log(exp(lse_a) + exp(lse_b)), so::
+
+        out = exp(lse_a − lse) · out_a + exp(lse_b − lse) · out_b
+
+    (what ring attention and chunked prefill do). A row with no key in either set (both lse
+    −inf) gets out 0 and lse −inf. ``out`` is in out_a's dtype, ``lse`` in lse_a's; both are
+    differentiable.
+    """
+    for name, x in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+        _checks.tensor(name, x, min_ndim=1 if name.startswith("lse") else 2)
+        _checks.floating(name, x)
+    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape or lse_a.shape != out_a.shape[:-1]:
+        raise ValueError(
+            f"out_a and out_b must share a shape (*batch, Hq, Lq, Dv) and lse_a, lse_b be its "
+            f"(*batch, Hq, Lq), got out_a {_checks.shape_str(out_a.shape)}, out_b "
+            f"{_checks.shape_str(out_b.shape)}, lse_a {_checks.shape_str(lse_a.shape)}, lse_b "
+            f"{_checks.shape_str(lse_b.shape)}"
+        )
+    dtype = torch.promote_types(lse_a.dtype, torch.float32)
+    lse, share_a, share_b = logsumexp.shares(lse_a.to(dtype), lse_b.to(dtype))  # (*batch, Hq, Lq)
+    out = share_a[..., None] * out_a.to(dtype) + share_b[..., None] * out_b.to(dtype)
+    return out.to(out_a.dtype), lse.to(lse_a.dtype)

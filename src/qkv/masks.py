@@ -2,13 +2,18 @@
 
 **The convention: True (or 1) means "may attend".** A bool mask keeps the positions that are True;
 a float mask is added to the scaled scores (``-inf`` blocks). ``causal`` is turned into an integer
-offset: query ``i`` may attend key ``j`` iff ``j <= i + offset``.
+offset: query ``i`` may attend key ``j`` iff ``j <= i + offset``. A ``window`` becomes two such
+diagonals (its right edge joins the causal offset, its left edge is the window offset), and
+``segments`` (document ids, with the ``cu_seqlens`` converters) block keys of other documents;
+``tile_keep`` turns all of them into one tile's bool "may attend", and ALiBi's bias is computed
+per tile too (``alibi_bias``), so that flash never forms an (Lq, Lk) tensor.
 
 Legend: B batch, H heads, L / Lq query length, S / Lk key length, D features.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -110,6 +115,63 @@ def padding_mask(x: torch.Tensor, length: int | None = None) -> torch.Tensor:
     return (positions[None, :] < x[:, None])[:, None, None, :]
 
 
+def window_bounds(window: Any) -> tuple[int | None, int | None]:
+    """(left, right) of a checked ``window``: an int w is (w − 1, 0), the w most recent keys."""
+    if window is None:
+        return None, None
+    if isinstance(window, int):
+        return window - 1, 0
+    left, right = window
+    return left, right
+
+
+def window_offsets(window: Any, lq: int, lk: int) -> tuple[int | None, int | None]:
+    """(upper, lower) diagonal offsets of a window, bottom-right aligned: query i may attend key j
+    iff i' − left <= j <= i' + right with i' = i + Lk − Lq, i.e. i + lower <= j <= i + upper
+    (None: that side is unbounded)."""
+    left, right = window_bounds(window)
+    shift = lk - lq
+    return (
+        None if right is None else shift + right,
+        None if left is None else shift - left,
+    )
+
+
+def segments_from_cu_seqlens(cu_seqlens: torch.Tensor, length: int | None = None) -> torch.Tensor:
+    """(L,) int64 segment ids from cumulative sequence lengths (FlashAttention's ``cu_seqlens``,
+    Hugging Face's ``cu_seq_lens``): ``cu_seqlens = [0, 3, 5]`` gives ``[0, 0, 0, 1, 1]``.
+
+    ``length`` (default ``cu_seqlens[-1]``) pads the ids to L; positions past the last sequence
+    get id −1, a segment of padding tokens that attend only to each other."""
+    _checks.tensor("cu_seqlens", cu_seqlens, ndims=(1,))
+    if cu_seqlens.is_floating_point() or cu_seqlens.dtype in (torch.bool, torch.complex64):
+        raise TypeError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
+    bounds = cu_seqlens.to(torch.long)
+    if bounds.numel() == 0 or int(bounds[0]) != 0 or bool((bounds[1:] < bounds[:-1]).any()):
+        raise ValueError(
+            f"cu_seqlens must start at 0 and never decrease, got {bounds.tolist()[:8]}"
+        )
+    total = int(bounds[-1])
+    length = total if length is None else _checks.non_negative_int("length", length)
+    if length < total:
+        raise ValueError(f"length must be >= cu_seqlens[-1] = {total}, got {length}")
+    positions = torch.arange(length, device=bounds.device)
+    ids = torch.searchsorted(bounds[1:], positions, right=True)  # sequences ending at or before
+    return torch.where(positions < total, ids, -1)
+
+
+def cu_seqlens_from_segments(segments: torch.Tensor) -> torch.Tensor:
+    """(n + 1,) int32 cumulative lengths of the runs of equal ids in a (L,) tensor of segment ids
+    (``segments_from_cu_seqlens``'s inverse for ids without padding): ``[0, 0, 0, 1, 1]`` gives
+    ``[0, 3, 5]``."""
+    _checks.tensor("segments", segments, ndims=(1,))
+    if segments.is_floating_point() or segments.dtype == torch.bool:
+        raise TypeError(f"segments must be an integer tensor, got {segments.dtype}")
+    _, lengths = torch.unique_consecutive(segments, return_counts=True)
+    zero = torch.zeros(1, dtype=torch.long, device=segments.device)
+    return torch.cat([zero, lengths.cumsum(0)]).to(torch.int32)
+
+
 def combine(first: torch.Tensor | None, second: torch.Tensor | None) -> torch.Tensor | None:
     """Both masks at once: a key must pass both. Bool and float masks mix: the result is float
     (0 where allowed, -inf where a bool mask blocks) when either is float."""
@@ -158,12 +220,17 @@ def tile_keep(
     k0: int,
     k1: int,
     device: torch.device,
+    *,
+    window_offset: int | None = None,
+    segments: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """Bool "may attend" for queries q0:q1 against keys k0:k1, broadcastable to
     (*batch, H, q1-q0, k1-k0); None when every pair may attend.
 
-    A pair may attend when the bool mask is True (or the float mask is not -inf) and the causal
-    rule allows it. This is the single place where masks and causality meet.
+    A pair may attend when the bool mask is True (or the float mask is not -inf), the causal rule
+    and a window's right edge allow it (j <= i + offset), a window's left edge does
+    (j >= i + window_offset), and query and key lie in the same segment. This is the single place
+    where masks, causality, windows and segments meet.
     """
     keep = None
     if mask is not None:
@@ -172,7 +239,96 @@ def tile_keep(
     if offset is not None:
         causal = _diagonal_keep(offset, q0, q1, k0, k1, device)
         keep = causal if keep is None else keep & causal
+    if window_offset is not None:
+        recent = ~_diagonal_keep(window_offset - 1, q0, q1, k0, k1, device)  # j >= i + offset
+        keep = recent if keep is None else keep & recent
+    if segments is not None:
+        same = segment_keep(segments, q0, q1, k0, k1)
+        keep = same if keep is None else keep & same
     return keep
+
+
+def segment_keep(
+    segments: tuple[torch.Tensor, torch.Tensor], q0: int, q1: int, k0: int, k1: int
+) -> torch.Tensor:
+    """(*batch, 1, q1-q0, k1-k0) bool: query and key carry the same segment id."""
+    query_ids, key_ids = segments  # (*batch, Lq), (*batch, Lk)
+    return (query_ids[..., q0:q1, None] == key_ids[..., None, k0:k1]).unsqueeze(-3)
+
+
+def alibi_bias(
+    slopes: torch.Tensor, q0: int, q1: int, k0: int, k1: int, shift: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """(*batch, Hq, q1-q0, k1-k0): ALiBi's −slope · |i + shift − j| for queries q0:q1 and keys
+    k0:k1 (shift = Lk − Lq aligns the last query with the last key); ``slopes`` (*batch, Hq)."""
+    distance = alibi_distance(q0, q1, k0, k1, shift, slopes.device, dtype)
+    return -slopes.to(dtype)[..., None, None] * distance
+
+
+def alibi_distance(
+    q0: int, q1: int, k0: int, k1: int, shift: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """(q1-q0, k1-k0): |i + shift − j|, the distance ALiBi penalises."""
+    rows = torch.arange(q0 + shift, q1 + shift, device=device, dtype=dtype)[:, None]
+    cols = torch.arange(k0, k1, device=device, dtype=dtype)[None, :]
+    return (rows - cols).abs_()
+
+
+def key_range(
+    offset: int | None,
+    window_offset: int | None,
+    segment_keys: tuple[torch.Tensor, torch.Tensor] | None,
+    q0: int,
+    q1: int,
+    lk: int,
+) -> tuple[int, int]:
+    """[start, end): the keys that queries q0:q1 may possibly attend under a causal rule, a window
+    and segments (keys outside it are blocked for every query of the tile)."""
+    start, end = 0, lk
+    if offset is not None:
+        end = min(end, q1 - 1 + offset + 1)
+    if window_offset is not None:
+        start = max(start, q0 + window_offset)
+    if segment_keys is not None:
+        first, last = segment_keys  # (Lq,): per query, the first and last key of its segments
+        if q1 > q0:
+            start = max(start, int(first[q0:q1].min()))
+            end = min(end, int(last[q0:q1].max()) + 1)
+    return max(0, start), max(0, min(end, lk))
+
+
+def segment_spans(
+    segments: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(first, last, runs): first and last, each (R, Lq) for the R = prod(*batch) batch entries,
+    are per query position the first and the last key position whose segment id equals the
+    query's (first > last when none does); ``runs`` says whether every id's keys are one
+    contiguous run in every entry (packed sequences), so that [first, last] holds exactly the
+    keys of a query's segment."""
+    query_ids, key_ids = segments
+    lq, lk = query_ids.shape[-1], key_ids.shape[-1]
+    batch = _checks.broadcast_shape(query_ids.shape[:-1], key_ids.shape[:-1])
+    assert batch is not None  # checked with the call
+    rows = math.prod(batch)
+    query_ids = query_ids.expand(*batch, lq).reshape(rows, lq)
+    key_ids = key_ids.expand(*batch, lk).reshape(rows, lk)
+    positions = torch.arange(lk, device=query_ids.device)
+    first, last, runs = [], [], True
+    for row in range(rows):  # per batch entry, each id's first and last key
+        ids, inverse = torch.unique(torch.cat([key_ids[row], query_ids[row]]), return_inverse=True)
+        key_id, query_id = inverse[:lk], inverse[lk:]
+        lo = torch.full((ids.numel(),), lk, device=positions.device)
+        hi = torch.full((ids.numel(),), -1, device=positions.device)
+        lo, hi = (
+            lo.scatter_reduce(0, key_id, positions, "amin"),
+            hi.scatter_reduce(0, key_id, positions, "amax"),
+        )
+        count = torch.zeros_like(lo).scatter_add_(0, key_id, torch.ones_like(positions))
+        runs = runs and bool((count == 0).logical_or(count == hi - lo + 1).all())
+        first.append(lo[query_id])
+        last.append(hi[query_id])
+    empty = torch.empty(0, lq, dtype=torch.long, device=positions.device)
+    return (torch.stack(first) if first else empty), (torch.stack(last) if last else empty), runs
 
 
 def tile_bias(mask: torch.Tensor | None, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor | None:

@@ -29,6 +29,12 @@ class SelfAttention(nn.Module):
     Q, K and V come from one fused projection ``qkv_proj``. ``bias`` applies to every projection;
     ``out_bias`` (default: ``bias``) overrides it for the output projection. ``dropout`` drops
     attention weights in training mode only. ``causal`` is the default rule of ``forward``.
+
+    What real models add (as in ``qkv.attention``): ``softcap`` soft-caps the scores,
+    ``sinks=True`` gives each head a learnable sink logit (the parameter ``sinks``, (heads,),
+    initialised to 0), ``window`` limits each query to a local window of keys, ``alibi=True``
+    adds ALiBi's linear distance penalty with the paper's slopes 2^(−8h/heads), h = 1 … heads
+    (the buffer ``alibi_slopes``), in place of position embeddings.
     """
 
     def __init__(
@@ -44,6 +50,10 @@ class SelfAttention(nn.Module):
         causal: bool | str = False,
         backend: str = "auto",
         out_bias: bool | None = None,
+        softcap: float | None = None,
+        sinks: bool = False,
+        window: int | tuple[int | None, int | None] | None = None,
+        alibi: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -73,6 +83,7 @@ class SelfAttention(nn.Module):
         self.backend = _checks.choice("backend", backend, NAMES)
 
         factory = {"device": device, "dtype": dtype}
+        self._score_options(softcap, sinks, window, alibi, factory)
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.q_proj: nn.Linear | None = None
         self.kv_proj: nn.Linear | None = None
@@ -84,11 +95,33 @@ class SelfAttention(nn.Module):
             self.kv_proj = nn.Linear(self.d_context, 2 * kv_size, bias=bias, **factory)
         self.out_proj = nn.Linear(q_size, d_model, bias=out_bias, **factory)
 
+    def _score_options(
+        self, softcap: Any, sinks: Any, window: Any, alibi: Any, factory: dict[str, Any]
+    ) -> None:
+        """Check and keep softcap, window, the sinks parameter and the ALiBi slopes buffer."""
+        self.softcap = None if softcap is None else _checks.positive_float("softcap", softcap)
+        self.window = None if window is None else _checks.window("window", window, self.causal)
+        self.sinks: nn.Parameter | None = None
+        if _checks.boolean("sinks", sinks):  # one logit per head, learnt (gpt-oss)
+            self.sinks = nn.Parameter(torch.zeros(self.heads, **factory))
+        slopes = None
+        if _checks.boolean("alibi", alibi):  # a geometric sequence, one slope per head
+            exponents = torch.arange(1, self.heads + 1, device=factory["device"]) * (
+                -8 / self.heads
+            )
+            slopes = torch.exp2(exponents).to(factory["dtype"] or torch.float32)
+        self.alibi_slopes: torch.Tensor | None
+        self.register_buffer("alibi_slopes", slopes)
+
     def extra_repr(self) -> str:
         return (
             f"d_model={self.d_model}, heads={self.heads}, kv_heads={self.kv_heads}, "
             f"head_dim={self.head_dim}, d_context={self.d_context}, dropout={self.dropout}, "
             f"causal={self.causal!r}, backend={self.backend!r}"
+            + (f", softcap={self.softcap}" if self.softcap is not None else "")
+            + (", sinks=True" if self.sinks is not None else "")
+            + (f", window={self.window!r}" if self.window is not None else "")
+            + (", alibi=True" if self.alibi_slopes is not None else "")
         )
 
     def forward(
@@ -139,6 +172,10 @@ class SelfAttention(nn.Module):
             "dropout_p": self.dropout if self.training else 0.0,
             "return_weights": return_weights,
             "backend": self.backend,
+            "softcap": self.softcap,
+            "sinks": self.sinks,
+            "window": self.window,
+            "alibi_slopes": self.alibi_slopes,
         }
         if new:  # this call's keys and values join the cache
             assert cache is not None

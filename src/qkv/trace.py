@@ -65,6 +65,11 @@ class AttentionRecord:
     call_mask: torch.Tensor | None  # the mask as given: bool (True = may attend) or float (added)
     shape: tuple[int, ...]  # (*batch, Hq, Lq, Lk): the shape of scores and weights
     groups: int  # query heads per key/value head
+    softcap: float | None = None  # scores were soft-capped: softcap · tanh(s / softcap)
+    sinks: torch.Tensor | None = None  # (Hq,) each head's sink logit (a key with value 0)
+    alibi_slopes: torch.Tensor | None = None  # (*batch, Hq): −slope · |i + Lk − Lq − j| added
+    window_offset: int | None = None  # query i may attend key j only if j >= i + window_offset
+    segments: tuple[torch.Tensor, torch.Tensor] | None = None  # segment ids of queries, keys
     x: torch.Tensor | None = None  # input of the module that made the call, e.g. (B, L, E)
     q: torch.Tensor | None = None  # (*batch, Hq, Lq, Dk)
     k: torch.Tensor | None = None  # (*batch, Hkv, Lk, Dk)
@@ -81,19 +86,29 @@ class AttentionRecord:
     @property
     def mask(self) -> torch.Tensor | None:
         """Bool "may attend" (True = may attend), broadcastable to (*batch, Hq, Lq, Lk): the
-        call's mask and its causal rule together. None when every query may attend every key."""
+        call's mask, its causal rule, window and segments together. None when every query may
+        attend every key."""
         if "mask" not in self._cache:
             lq, lk = self.shape[-2], self.shape[-1]
             device = self.call_mask.device if self.call_mask is not None else None
             self._cache["mask"] = masks.tile_keep(
-                self.call_mask, self.causal_offset, 0, lq, 0, lk, torch.device(device or "cpu")
+                self.call_mask,
+                self.causal_offset,
+                0,
+                lq,
+                0,
+                lk,
+                torch.device(device or "cpu"),
+                window_offset=self.window_offset,
+                segments=self.segments,
             )
         return self._cache["mask"]
 
     @property
     def scores(self) -> torch.Tensor:
-        """(*batch, Hq, Lq, Lk) scaled scores ``q·kᵀ × scale`` (plus a float mask's values),
-        before blocked positions are set to -inf; computed from q and k on first use."""
+        """(*batch, Hq, Lq, Lk) scaled scores ``q·kᵀ × scale`` (soft-capped, plus ALiBi and a
+        float mask's values where the call had them), before blocked positions are set to -inf;
+        computed from q and k on first use."""
         if "scores" not in self._cache:
             if self.q is None or self.k is None:
                 raise ValueError(
@@ -103,6 +118,11 @@ class AttentionRecord:
             dtype = compute_dtype(self.q.dtype)
             k = self.k.to(dtype).repeat_interleave(self.groups, dim=-3)  # (*batch, Hq, Lk, Dk)
             scores = (self.q.to(dtype) @ k.transpose(-2, -1)) * self.scale
+            if self.softcap is not None:
+                scores = self.softcap * torch.tanh(scores / self.softcap)
+            if self.alibi_slopes is not None:
+                lq, lk = self.shape[-2], self.shape[-1]
+                scores = scores + masks.alibi_bias(self.alibi_slopes, 0, lq, 0, lk, lk - lq, dtype)
             bias = masks.tile_bias(self.call_mask, 0, self.shape[-2], 0, self.shape[-1])
             self._cache["scores"] = scores if bias is None else scores + bias.to(dtype)
         cached = self._cache["scores"]
@@ -195,8 +215,9 @@ class Trace:
         if weights is None and "weights" in self.keep:
             # The backend returned none (fused kernels never form them): compute them from the
             # same call with the reference backend, the formula itself.
-            _, weights = dispatch.run(
-                dataclasses.replace(call, return_weights=True, dropout_p=0.0), "reference"
+            _, weights, _ = dispatch.run(
+                dataclasses.replace(call, return_weights=True, return_lse=False, dropout_p=0.0),
+                "reference",
             )
         self.records.append(
             AttentionRecord(
@@ -209,6 +230,11 @@ class Trace:
                 call_mask=None if call.mask is None else call.mask.detach(),
                 shape=call.scores_shape,
                 groups=call.groups,
+                softcap=call.softcap,
+                sinks=None if call.sinks is None else call.sinks.detach(),
+                alibi_slopes=None if call.alibi_slopes is None else call.alibi_slopes.detach(),
+                window_offset=call.window_offset,
+                segments=call.segments,
                 x=self._kept("x", x),
                 q=self._kept("q", call.q),
                 k=self._kept("k", call.k),

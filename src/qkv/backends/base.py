@@ -43,6 +43,13 @@ class Call:
     scale: float
     dropout_p: float
     return_weights: bool
+    # What real models add to the formula (None: not used); see ``qkv.attention``.
+    softcap: float | None = None  # scores s -> softcap · tanh(s / softcap), before biases
+    sinks: torch.Tensor | None = None  # (Hq,) one extra logit per head with a zero value
+    alibi_slopes: torch.Tensor | None = None  # (*batch, Hq): −slope · |i + Lk − Lq − j| is added
+    window_offset: int | None = None  # query i may attend key j only if j >= i + window_offset
+    segments: tuple[torch.Tensor, torch.Tensor] | None = None  # ids (*batch, Lq), (*batch, Lk)
+    return_lse: bool = False
 
     @property
     def groups(self) -> int:
@@ -69,7 +76,19 @@ class Call:
             or self.k.requires_grad
             or self.v.requires_grad
             or (self.mask is not None and self.mask.requires_grad)
+            or (self.sinks is not None and self.sinks.requires_grad)
+            or (self.alibi_slopes is not None and self.alibi_slopes.requires_grad)
         )
+
+    @property
+    def structured(self) -> bool:
+        """Whether the call restricts keys by a window or segments (beyond mask and causal)."""
+        return self.window_offset is not None or self.segments is not None
+
+    @property
+    def modified_scores(self) -> bool:
+        """Whether scores are changed beyond ``q kᵀ · scale + mask`` (softcap or ALiBi)."""
+        return self.softcap is not None or self.alibi_slopes is not None
 
     @property
     def compute_dtype(self) -> torch.dtype:

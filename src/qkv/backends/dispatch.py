@@ -2,10 +2,11 @@
 
 Every backend module answers one capability query, ``why_not(call) -> str | None`` (None: it can
 run the call; otherwise the reason, which names an alternative), and runs a call with
-``attention(call)``. A backend that can write a KV cache and attend in one step also has
-``attention_with_cache(call, write)``. ``backend="auto"`` picks, per call, by the rule in
-``choose``; its thresholds are named below, and ``qkv bench --auto`` measures every scenario
-they decide (the evidence is that benchmark's output, docs/performance.md).
+``attention(call) -> (out, weights or None, lse or None)``. A backend that can write a KV cache
+and attend in one step also has ``attention_with_cache(call, write)``. ``backend="auto"``
+picks, per call, by the rule in ``choose``; its thresholds are named below, and
+``qkv bench --auto`` measures every scenario they decide (the evidence is that benchmark's
+output, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def why_not(name: str, call: Call) -> str | None:
 def preference(call: Call) -> tuple[str, ...]:
     """The backends ``"auto"`` tries for ``call``, fastest first.
 
+    - flash first for a window or segments: it skips the tiles they block, where torch's kernel
+      needs them as an (Lq, Lk) mask (memory quadratic in length).
     - flash first for few queries under a mask or a non-top-left causal rule (see
       ``FEW_QUERIES``), and for forward passes without a mask that flash's compiled kernel runs
       where it is the faster kernel (causal calls, decoding, large calls; see
@@ -73,7 +76,7 @@ def preference(call: Call) -> tuple[str, ...]:
         and (call.causal_offset is not None or _kernel_is_faster(call))
         and backend("flash").runs_compiled(call)
     )
-    if few_queries or on_kernel:
+    if few_queries or on_kernel or call.structured:
         return ("flash", "sdpa", "reference")
     return ("sdpa", "flash", "reference")
 
@@ -111,10 +114,12 @@ def resolve(call: Call, name: str) -> str:
     return name
 
 
-def run(
-    call: Call, name: str, write: CacheWrite | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run ``call`` on backend ``name`` ("auto": ``choose``); (out, weights or None).
+Result = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # out, weights, lse
+
+
+def run(call: Call, name: str, write: CacheWrite | None = None) -> Result:
+    """Run ``call`` on backend ``name`` ("auto": ``choose``): (out, weights or None, lse or
+    None); weights when the call returns weights, lse when it returns the log-sum-exp.
 
     ``write``: a KV cache step's new keys and values, which ``call``'s k and v end with. The
     backend ``"auto"`` would try first (or the one named) writes them and attends in one step
@@ -124,10 +129,8 @@ def run(
         first = backend(preference(call)[0] if name == "auto" else name)
         fuses = hasattr(first, "attention_with_cache") and first.why_not(call) is None
         if fuses:
-            fused: tuple[torch.Tensor, torch.Tensor | None] = first.attention_with_cache(
-                call, write
-            )
+            fused: Result = first.attention_with_cache(call, write)
             return fused
         write.apply()
-    result: tuple[torch.Tensor, torch.Tensor | None] = backend(resolve(call, name)).attention(call)
+    result: Result = backend(resolve(call, name)).attention(call)
     return result

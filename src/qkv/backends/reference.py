@@ -21,41 +21,71 @@ from qkv.backends.base import Call
 _BYTES_PER_SCORE = {torch.float32: 13, torch.float64: 25}
 
 
-def attention(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
+def attention(call: Call) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     dtype = call.compute_dtype  # float16/bfloat16 are computed in float32
     q, k, v = call.q.to(dtype), call.k.to(dtype), call.v.to(dtype)
     if call.groups > 1:  # grouped-query: key/value head j serves query heads j*g ... j*g+g-1
         k = k.repeat_interleave(call.groups, dim=-3)  # (*B, Hq, Lk, Dk)
         v = v.repeat_interleave(call.groups, dim=-3)  # (*B, Hq, Lk, Dv)
     lq, lk = q.shape[-2], k.shape[-2]
-
-    # Scores: how well each query matches each key. The scale 1/√d_k keeps their variance near 1
-    # whatever the head size, so the softmax does not saturate into a one-hot.
-    scores = (q @ k.transpose(-2, -1)) * call.scale  # (*B, Hq, Lq, Lk)
-    bias = masks.tile_bias(call.mask, 0, lq, 0, lk)
-    if bias is not None:
-        scores = scores + bias.to(dtype)  # float mask: added to the scaled scores
+    scores = _scores(call, q, k)  # (*B, Hq, Lq, Lk)
 
     # Blocked keys get -inf, so exp(-inf) = 0 weight: not a small number like -1e9 or 1e-20,
-    # which leaks weight to masked keys (and -1e9 overflows in float16).
-    keep = masks.tile_keep(call.mask, call.causal_offset, 0, lq, 0, lk, q.device)
+    # which leaks weight to masked keys (and -1e9 overflows in float16). A key is blocked by the
+    # mask, the causal rule, the window (i' - left <= j <= i' + right) or another segment.
+    keep = masks.tile_keep(
+        call.mask,
+        call.causal_offset,
+        0,
+        lq,
+        0,
+        lk,
+        q.device,
+        window_offset=call.window_offset,
+        segments=call.segments,
+    )
+    has_key = None
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
         # A query with no key it may attend would be softmax([-inf, ...]) = 0/0 = NaN. Give its
         # row finite scores and zero its weights afterwards: 0 output and 0 gradient, no NaN.
         has_key = keep.any(dim=-1, keepdim=True)  # (*B, Hq, Lq, 1)
-        scores = scores.masked_fill(~has_key, 0.0)
+        if call.sinks is None:  # (with sinks, such a row gives all its weight to its sink)
+            scores = scores.masked_fill(~has_key, 0.0)
+    if call.sinks is not None:
+        # Sinks (gpt-oss): a virtual key per head with logit sinks[h] and a zero value joins
+        # every row's softmax, so a row may give less than all of its weight to real keys.
+        sink = call.sinks.to(dtype)[:, None, None].expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink], dim=-1)  # (*B, Hq, Lq, Lk + 1)
 
-    weights = torch.softmax(scores, dim=-1)  # (*B, Hq, Lq, Lk); softmax subtracts the row max
-    if keep is not None:
+    weights = torch.softmax(scores, dim=-1)[..., :lk]  # (*B, Hq, Lq, Lk); minus the row max
+    lse = torch.logsumexp(scores, dim=-1) if call.return_lse else None  # (*B, Hq, Lq)
+    if has_key is not None and call.sinks is None:
         weights = weights.masked_fill(~has_key, 0.0)
+        lse = None if lse is None else lse.masked_fill(~has_key[..., 0], float("-inf"))
 
     dropped = weights
     if call.dropout_p > 0:
         dropped = torch.nn.functional.dropout(weights, p=call.dropout_p, training=True)
     out = dropped @ v  # (*B, Hq, Lq, Dv): each output is a weighted sum of the values
     returned = weights.to(call.q.dtype) if call.return_weights else None
-    return out.to(call.q.dtype), returned
+    return out.to(call.q.dtype), returned, lse
+
+
+def _scores(call: Call, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """(*B, Hq, Lq, Lk): how well each query matches each key, scaled, soft-capped and biased."""
+    lq, lk = q.shape[-2], k.shape[-2]
+    # The scale 1/√d_k keeps the scores' variance near 1 whatever the head size, so the softmax
+    # does not saturate into a one-hot.
+    scores = (q @ k.transpose(-2, -1)) * call.scale  # (*B, Hq, Lq, Lk)
+    if call.softcap is not None:  # Gemma 2: squash every score into (-softcap, softcap)
+        scores = call.softcap * torch.tanh(scores / call.softcap)
+    if call.alibi_slopes is not None:  # ALiBi: -slope · |i + Lk - Lq - j|, a linear distance
+        scores = scores + masks.alibi_bias(call.alibi_slopes, 0, lq, 0, lk, lk - lq, scores.dtype)
+    bias = masks.tile_bias(call.mask, 0, lq, 0, lk)
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)  # float mask: added to the scaled scores
+    return scores
 
 
 def why_not(call: Call) -> str | None:

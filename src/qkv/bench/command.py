@@ -7,6 +7,7 @@
     qkv bench --decode                          # KV-cache decoding vs recomputing the prefix
     qkv bench --memory-check                    # peak memory of a T = 32768 causal step
     qkv bench --auto                            # the calls that decide what "auto" picks
+    qkv bench --arguments 4096                  # sinks, softcap, ALiBi, windows, documents
 
 The table goes to stdout; one progress line per case goes to stderr as the run goes on.
 """
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from qkv.bench import auto, cases, decode, memory, report, runs, timing
+from qkv.bench import arguments, auto, cases, decode, memory, report, runs, timing
 
 MATMUL_BUDGET_S = 1.0  # the whole matrix-multiply probe, all dtypes together
 
@@ -98,6 +99,16 @@ def configure_only_modes(parser: argparse.ArgumentParser) -> None:
         help="only: peak memory of a fresh process running one causal float32 forward+backward "
         "of backend flash at length T (default 32768)",
     )
+    add(
+        "--arguments",
+        type=positive,
+        nargs="?",
+        const=4096,
+        default=None,
+        metavar="T",
+        help="only: what sinks, softcap, alibi_slopes, window and segments cost on flash, "
+        "against the plain causal call at length T (default 4096)",
+    )
     add("--worker", help=argparse.SUPPRESS)
 
 
@@ -119,6 +130,10 @@ def run(args: argparse.Namespace) -> int:
     elif args.auto:
         record["auto"] = auto.auto_benchmark(args.repeats)
         print(auto.format_auto(record["auto"]))
+    elif args.arguments is not None:
+        rows = arguments.arguments_benchmark(args.arguments, shape, args.repeats, args.passes)
+        record["arguments"] = rows
+        print(arguments.format_arguments(rows, args.arguments, shape))
     else:
         table(args, shape, record)
     if args.json:

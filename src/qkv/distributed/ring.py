@@ -14,8 +14,9 @@ log Σ_{j in b} exp(s_j)``. Over two blocks the denominator is the sum of theirs
     lse = log(exp(lse_a) + exp(lse_b))
     o   = exp(lse_a - lse) · o_a + exp(lse_b - lse) · o_b
 
-(each block's output re-weighted by its share of the whole denominator). ``merge_`` does this in
-place, folding the blocks in one at a time; a row that has seen no key keeps lse = -inf and o = 0.
+(each block's output re-weighted by its share of the whole denominator; ``qkv.logsumexp``, as
+``qkv.merge``). ``merge_`` does this in place, folding the blocks in one at a time; a row that
+has seen no key keeps lse = -inf and o = 0.
 
 Backward. The gradient of a row depends on the blocks only through its final output and lse
 (the softmax probabilities of key j are exp(s_j - lse)), so each block's gradient is computed
@@ -47,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from qkv import _checks, masks
+from qkv import _checks, logsumexp, masks
 from qkv.backends import flash
 from qkv.backends.base import compute_dtype
 from qkv.canonical import Causal, canonical_call
@@ -169,12 +170,9 @@ def merge_(
     ``block_out``/``block_lse`` the result over one more block of keys. Rows that have seen no
     key have lse = -inf and out = 0, and stay so (never NaN); NaN in either input propagates.
     """
-    merged = torch.logaddexp(lse, block_lse)
-    # Subtracting the merged lse keeps the exponents <= 0. A row with no key on either side has
-    # merged = -inf, and exp(-inf - (-inf)) would be NaN: subtract 0 there, so both weights are 0.
-    shift = merged.masked_fill(merged == -math.inf, 0.0)
-    out.mul_(torch.exp(lse - shift).unsqueeze(-1))
-    out.add_(block_out * torch.exp(block_lse - shift).unsqueeze(-1))
+    merged, share, block_share = logsumexp.shares(lse, block_lse)
+    out.mul_(share.unsqueeze(-1))
+    out.add_(block_out * block_share.unsqueeze(-1))
     lse.copy_(merged)
 
 

@@ -86,6 +86,11 @@ def _scores(walk: Walkthrough, run: ModelRun, console: Any) -> None:
         f"its gradients vanish. d_k is the head size ({d_k}), not the model width "
         f"({width}).[/]"
     )
+    if walk.softcap is not None:
+        console.print(
+            f"  Soft-capped: score = {walk.softcap:g} · tanh(score / {walk.softcap:g}), so no "
+            f"score leaves (-{walk.softcap:g}, {walk.softcap:g}) (the table shows capped scores)"
+        )
     blocked = int((~walk.keep).sum())
     mask_text = f"{focus} may attend all {length} tokens (True = may attend)"
     if blocked:
@@ -96,6 +101,11 @@ def _scores(walk: Walkthrough, run: ModelRun, console: Any) -> None:
     _step(console, 6, "Mask", mask_text)
     total = float(walk.weights.sum())
     _step(console, 7, "Softmax", f"weight_j = exp(score_j) / Σ_k exp(score_k), sum {total:.6f}")
+    if walk.sink is not None:
+        console.print(
+            f"  Sink: this head's sink, a key of logit {walk.sink:.4f} and value 0, joins the "
+            f"softmax and takes weight {1 - total:.6f}, so the tokens' weights sum to less than 1"
+        )
     _score_table(walk, run, console)
 
 

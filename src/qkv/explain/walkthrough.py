@@ -39,6 +39,8 @@ class Walkthrough:
     weights: torch.Tensor  # (L,) softmax of the scores over the keys it may attend
     out: torch.Tensor  # (Dv,) the head's output for token i: Σ_j weights_j v_j
     head_weights: torch.Tensor  # (H, L, L) every head of the layer, for the summaries
+    softcap: float | None = None  # scores were soft-capped: softcap · tanh(score / softcap)
+    sink: float | None = None  # this head's sink logit: a key with value 0 that takes weight
 
     @property
     def d_k(self) -> int:
@@ -90,6 +92,8 @@ def walkthrough(
         weights=weights[head, i].float(),
         out=record.out.reshape(-1, *record.out.shape[-3:])[0, head, i].float(),
         head_weights=weights.float(),
+        softcap=record.softcap,
+        sink=None if record.sinks is None else float(record.sinks[head]),
     )
 
 

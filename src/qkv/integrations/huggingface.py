@@ -80,22 +80,69 @@ def register(name: str = "qkv") -> str:
     transformers.AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, mask_forward)
     _REGISTERED.add(name)
+    _refuse_models_outside_the_interface(transformers.PreTrainedModel)
     return name
 
 
-def mask_forward(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """transformers' mask function for qkv: a bool (B, 1, Lq, Lk) mask, True = may attend.
+def _refuse_models_outside_the_interface(model_class: type) -> None:
+    """Make asking for qkv on a model whose attention layers bypass transformers' attention
+    interface (bloom, falcon, gpt_neo, mpt, ... compute attention in their own code) an error
+    naming the model and the alternative. Without it such a model either fails with a bare
+    ``KeyError`` or runs its own attention on qkv's bool mask read as numbers, silently wrong.
 
-    It is transformers' own ``sdpa_mask`` (the same mask, in the same convention as qkv) with
-    its shortcuts turned off: those return no mask and leave the causal rule to a flag whose
-    alignment differs with the cache (top-left for a static cache's prefill), and drop the
-    bidirectional mask of models whose layers still say ``is_causal``. With every mask built
-    here, a missing mask only ever means the caller passed none.
+    transformers chooses every model's implementation in ``get_correct_attn_implementation``;
+    this wraps it once. A model bypasses the interface when transformers' own test
+    (``_can_set_attn_implementation``: its attention class never calls the interface) says so.
+    """
+    original = model_class.get_correct_attn_implementation  # type: ignore[attr-defined]
+    if getattr(original, "refuses_models_outside_the_interface", False):
+        return
+
+    def get_correct_attn_implementation(
+        self: Any, requested_attention: str | None, is_init_check: bool = False
+    ) -> str:
+        can_set = getattr(type(self), "_can_set_attn_implementation", None)
+        if requested_attention in _REGISTERED and can_set is not None and not can_set():
+            model_type = getattr(getattr(self, "config", None), "model_type", "?")
+            raise ValueError(
+                f'{type(self).__name__} (model type "{model_type}") computes attention in its '
+                f"own code, outside transformers' attention interface, so "
+                f'attn_implementation="{requested_attention}" cannot run it on qkv (it would '
+                f'never call qkv, or misread its mask); load it with attn_implementation="eager" '
+                f'or "sdpa" instead'
+            )
+        result: str = original(self, requested_attention, is_init_check)
+        return result
+
+    get_correct_attn_implementation.refuses_models_outside_the_interface = True  # type: ignore[attr-defined]
+    model_class.get_correct_attn_implementation = get_correct_attn_implementation  # type: ignore[attr-defined]
+
+
+def mask_forward(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """transformers' mask function for qkv: a bool (B, 1, Lq, Lk) mask, True = may attend, or
+    None where the layer's causal rule and window say all of it.
+
+    It is transformers' own ``sdpa_mask`` (the same mask, in the same convention as qkv). Its
+    causal shortcut is kept where qkv's bottom-right causal rule means what the skipped mask
+    meant: with no padding, for one query or as many queries as keys (where both alignments
+    agree), never when decoding into a static cache. (transformers also takes it for a static
+    cache's prefill, whose queries are the first of the cache's keys, top-left: not here.) Then
+    no (Lq, Lk) mask is built at all and the layer's causal rule applies (``attention_forward``).
+    transformers does not take it for a sliding window
+    the keys reach past (``local_size``), because torch's kernel has no window; qkv has one, and
+    a sliding layer passes its window to the attention function (as FlashAttention needs), so
+    qkv takes the shortcut there too, except for chunked attention, which ``local_size`` also
+    describes. The bidirectional shortcut is turned off: it would drop the mask of models whose
+    layers still say ``is_causal``.
     """
     from transformers.masking_utils import sdpa_mask
 
-    kwargs["allow_is_causal_skip"] = False
     kwargs["allow_is_bidirectional_skip"] = False
+    if kwargs.get("q_length") not in (1, kwargs.get("kv_length")):
+        kwargs["allow_is_causal_skip"] = False
+    chunked = getattr(kwargs.get("config"), "attention_chunk_size", None) is not None
+    if kwargs.get("local_size") is not None and not chunked:
+        kwargs["local_size"] = None  # a sliding window: qkv applies it (see above)
     return sdpa_mask(*args, **kwargs)
 
 
@@ -119,12 +166,6 @@ def attention_forward(
     Returns ``(out (B, Lq, Hq, Dv), weights (B, Hq, Lq, Lk) or None)``; weights are computed
     only when the model is asked for attentions.
     """
-    for unsupported in ("softcap", "s_aux", "sinks"):
-        if kwargs.get(unsupported) is not None:
-            raise ValueError(
-                f"qkv attention does not support {unsupported}={kwargs[unsupported]!r}; use "
-                f'attn_implementation="eager" for this model'
-            )
     cache = kwargs.get("cache")
     if cache is not None and type(cache).__name__ == "PagedAttentionCache":
         raise ValueError(
@@ -133,10 +174,13 @@ def attention_forward(
 
     # An additive bias per (head, query, key) joins the mask, which adds -inf where it blocks.
     mask = masks.combine(attention_mask, position_bias)
-    causal = False
-    if attention_mask is None:
-        # No mask from the model: its own causal rule, aligned for a cache (bottom-right).
-        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
+    # The layer's own causal rule; applied when the model passes no mask, aligned for a cache
+    # (bottom-right).
+    causal_layer = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
+    causal = causal_layer and attention_mask is None
+    if attention_mask is None and kwargs.get("sliding_window") is None:
+        kwargs["sliding_window"] = getattr(module, "sliding_window", None)  # (the mask skipped it)
+    structure = _structure(query.shape, key.shape[-2], attention_mask is None, causal_layer, kwargs)
 
     want_weights = _weights_requested(kwargs)
     result = attention(
@@ -148,10 +192,50 @@ def attention_forward(
         scale=scaling,
         dropout_p=float(dropout),
         return_weights=want_weights,
+        softcap=kwargs.get("softcap") or None,  # 0: none, as in FlashAttention
+        sinks=_first(kwargs, "s_aux", "sinks"),
+        **structure,
     )
     out, weights = result if want_weights else (result, None)
     assert isinstance(out, torch.Tensor)
     return out.transpose(1, 2).contiguous(), weights  # (B, Lq, Hq, Dv)
+
+
+def _first(kwargs: dict[str, Any], *names: str) -> Any:
+    """The first of ``names`` that the model passed (not None), or None."""
+    return next((kwargs[name] for name in names if kwargs.get(name) is not None), None)
+
+
+def _structure(
+    query_shape: torch.Size, lk: int, no_mask: bool, causal_layer: bool, kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The window and the packed sequences a model passes, as ``window=`` and ``segments=``.
+
+    transformers' mask already blocks what they block; passed as well, they let flash skip the
+    tiles outside them. In a causal layer ``sliding_window`` = w means the w most recent keys
+    (transformers' mask and FlashAttention's window (w − 1, ·) agree), ``window=(w − 1, 0)``,
+    bottom-right aligned: the mask's alignment when the model passed no mask or queries and keys
+    have one length (with a static cache, a prefill's queries are not the last of its keys, so
+    the window is left to the mask there). A bidirectional layer's w is left to the mask: its
+    meaning differs between families (modernbert passes one more than its mask's reach,
+    t5gemma's encoder the reach itself). ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (a flattened
+    batch of packed sequences) become segment ids.
+    """
+    structure: dict[str, Any] = {}
+    batch, lq = query_shape[0], query_shape[-2]
+    sliding_window = kwargs.get("sliding_window")
+    known = causal_layer and (no_mask or lq == lk)
+    if isinstance(sliding_window, int) and sliding_window > 0 and known:
+        structure["window"] = (sliding_window - 1, 0)
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if not (isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor) and batch == 1):
+        return structure
+    if int(cu_q[-1]) <= lq and int(cu_k[-1]) <= lk:  # (B = 1: the sequences lie side by side)
+        structure["segments"] = (
+            masks.segments_from_cu_seqlens(cu_q, lq)[None],
+            masks.segments_from_cu_seqlens(cu_k, lk)[None],
+        )
+    return structure
 
 
 def _weights_requested(kwargs: dict[str, Any]) -> bool:

@@ -12,9 +12,10 @@
 //     acc    = alpha · acc + p · v_block                    (Bq, Dv) float32, one brgemm call
 //
 // and at the end out = acc / l, lse = (m + log2 l) · ln 2. A row with no key keeps l = 0: out 0,
-// lse −inf. Causal key blocks past the block's last diagonal are skipped; in a block the diagonal
-// crosses, each row only exponentiates the keys it may see, the rest of its p is 0, and the
-// products stop at the last key any row of the block may see.
+// lse −inf. Key blocks no row of the block may see are skipped: causally those past its last
+// diagonal, and with ranges (a window, packed sequences) those before its rows' first keys too.
+// In a block a row's range crosses, the row only exponentiates the keys it may see, the rest of
+// its p is 0, and the products stop at the last key any row of the block may see.
 //
 // The maximum costs no pass of its own after a row's first key block: each block is
 // exponentiated against the m it finds, keeping the block's largest exponent, top, on the side in
@@ -131,6 +132,77 @@ inline __m512 exp2_avx512(__m512 x, const float (&coefficients)[Terms]) {
   return _mm512_scalef_ps(p, x);
 }
 #endif
+
+// What a call adds to q · k: soft-capping and ALiBi. cap = 0: no capping; slopes = nullptr: no
+// ALiBi (one slope per query head otherwise); shift = S − Lq aligns the last query with the last
+// key, as the causal rule.
+struct ScoreRules {
+  float cap;
+  const float* slopes;
+  int64_t shift;
+
+  bool any() const { return cap != 0.f || slopes != nullptr; }
+};
+
+// tanh(y) to float32 accuracy: the odd Taylor series to y⁹ for |y| < 1/4 (within 1e-8
+// relative), else (1 − t) / (1 + t) with t = e^(−2|y|) = 2^(−2|y| log2 e), sign restored.
+inline float tanh_scalar(float y) {
+  const float a = std::fabs(y);
+  if (a < 0.25f) {
+    const float y2 = y * y;
+    return y * (1.f + y2 * (-1.f / 3 + y2 * (2.f / 15 + y2 * (-17.f / 315 + y2 * (62.f / 2835)))));
+  }
+  const float t = exp2_scalar(-2.f * kLog2E * a);
+  return std::copysign((1.f - t) / (1.f + t), y);
+}
+
+#if defined(__AVX512F__)
+inline __m512 tanh_avx512(__m512 y) {
+  const __m512 a = _mm512_abs_ps(y), y2 = _mm512_mul_ps(y, y);
+  __m512 series = _mm512_set1_ps(62.f / 2835);
+  series = _mm512_fmadd_ps(series, y2, _mm512_set1_ps(-17.f / 315));
+  series = _mm512_fmadd_ps(series, y2, _mm512_set1_ps(2.f / 15));
+  series = _mm512_fmadd_ps(series, y2, _mm512_set1_ps(-1.f / 3));
+  series = _mm512_mul_ps(y, _mm512_fmadd_ps(series, y2, _mm512_set1_ps(1.f)));
+  const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.25f), _CMP_LT_OQ);
+  if (small == 0xFFFF) return series;  // the usual case for a large cap such as Gemma's 50
+  const __m512 t = exp2_avx512(_mm512_mul_ps(a, _mm512_set1_ps(-2.f * kLog2E)), kExp2Degree5);
+  const __m512 one = _mm512_set1_ps(1.f);
+  __m512 large = _mm512_div_ps(_mm512_sub_ps(one, t), _mm512_add_ps(one, t));
+  // tanh(|y|) >= 0 has no sign bit: give it y's
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(INT32_MIN));
+  large = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(large), sign));
+  return _mm512_mask_blend_ps(small, large, series);
+}
+#endif
+
+// One row of n scores in place, keys j = 0 … n − 1 at distance d0 − j from the query:
+// s_j ← cap · tanh(s_j · scale / cap) − slope · |d0 − j| (each part only where the call has it),
+// the scaled scores the recurrence then exponentiates in base 2 (c = log2 e).
+inline void modify_row(float* s, int64_t n, float scale, float cap, float slope, int64_t d0) {
+  const bool capped = cap != 0.f;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 vscale = _mm512_set1_ps(scale), vcap = _mm512_set1_ps(cap);
+  const __m512 vinv = _mm512_set1_ps(capped ? 1.f / cap : 0.f), vslope = _mm512_set1_ps(slope);
+  const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (; j < n; j += 16) {
+    const __mmask16 lanes = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+    __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, s + j), vscale);
+    if (capped) x = _mm512_mul_ps(vcap, tanh_avx512(_mm512_mul_ps(x, vinv)));
+    if (slope != 0.f) {
+      const __m512 d = _mm512_sub_ps(_mm512_set1_ps(static_cast<float>(d0 - j)), lane);
+      x = _mm512_fnmadd_ps(vslope, _mm512_abs_ps(d), x);
+    }
+    _mm512_mask_storeu_ps(s + j, lanes, x);
+  }
+#endif
+  for (; j < n; ++j) {
+    float x = s[j] * scale;
+    if (capped) x = cap * tanh_scalar(x / cap);
+    s[j] = x - slope * static_cast<float>(std::llabs(d0 - j));
+  }
+}
 
 // The running extreme of one row's scores: the largest (Up) or the smallest. NaN is skipped.
 template <bool Up>
@@ -343,10 +415,45 @@ Operands arrange(const at::Tensor& k, const at::Tensor& v, int64_t key_blocks) {
   }
 }
 
+// The keys each query row may see, [lo, hi). Without ranges: all S keys, or causally keys
+// 0 … i + offset. With ranges (a window, packed sequences; the causal rule already in them):
+// row i of head z sees ranges[z / heads_per_range][i] = (lo, hi), an (R, Lq, 2) int64 tensor.
+struct KeyBounds {
+  bool causal;
+  int64_t offset, S, Lq;
+  const int64_t* ranges;  // nullptr: no ranges
+  int64_t heads_per_range;
+
+  std::pair<int64_t, int64_t> row(int64_t head, int64_t i) const {
+    if (ranges != nullptr) {
+      const int64_t* b = ranges + ((head / heads_per_range) * Lq + i) * 2;
+      return {std::clamp<int64_t>(b[0], 0, S), std::clamp<int64_t>(b[1], 0, S)};
+    }
+    return {0, causal ? std::clamp<int64_t>(i + offset + 1, 0, S) : S};
+  }
+};
+
+KeyBounds key_bounds(bool causal, int64_t offset, int64_t S, int64_t Lq, const at::Tensor& ranges,
+                     int64_t heads_per_range) {
+  if (ranges.numel() == 0) return {causal, offset, S, Lq, nullptr, 1};
+  TORCH_CHECK(ranges.scalar_type() == at::kLong && ranges.is_contiguous() && ranges.dim() == 3 &&
+              ranges.size(1) == Lq && ranges.size(2) == 2 && heads_per_range > 0,
+              "ranges: contiguous int64 (R, Lq, 2)");
+  return {causal, offset, S, Lq, ranges.const_data_ptr<int64_t>(), heads_per_range};
+}
+
+ScoreRules score_rules(double softcap, const at::Tensor& slopes, int64_t heads, int64_t S,
+                       int64_t Lq) {
+  if (slopes.numel() == 0) return {static_cast<float>(softcap), nullptr, S - Lq};
+  TORCH_CHECK(slopes.scalar_type() == at::kFloat && slopes.is_contiguous() &&
+              slopes.numel() == heads, "alibi slopes: contiguous float32, one per query head");
+  return {static_cast<float>(softcap), slopes.const_data_ptr<float>(), S - Lq};
+}
+
 template <typename T>
 std::vector<at::Tensor> forward_impl(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
-    int64_t offset) {
+    const KeyBounds& bounds, const ScoreRules& rules) {
   constexpr bool low = std::is_same_v<T, at::BFloat16>;
   using P = std::conditional_t<low, T, float>;  // the weights' type
   const int64_t NG = q.size(0), Lq = q.size(1), D = q.size(2);
@@ -355,7 +462,9 @@ std::vector<at::Tensor> forward_impl(
   const int64_t De = low ? (D + 1) / 2 * 2 : D;  // q's row length as the products read it
   const int64_t key_blocks = (S + kKeyBlock - 1) / kKeyBlock;
   const int64_t query_blocks = (Lq + kQueryBlock - 1) / kQueryBlock;
-  const float c = static_cast<float>(scale) * kLog2E;
+  // Soft-capped or biased scores are scaled before they are changed (modify_row): then only
+  // log2(e) is left to multiply them by.
+  const float c = rules.any() ? kLog2E : static_cast<float>(scale) * kLog2E;
 
   auto out = at::empty({NG, Lq, Dv}, q.options().dtype(at::kFloat));
   auto lse = at::empty({NG, Lq}, q.options().dtype(at::kFloat));
@@ -388,10 +497,16 @@ std::vector<at::Tensor> forward_impl(
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), kNegInf);
       std::fill(l.begin(), l.end(), 0.f);
-      // Keys this block may see: all, or causally up to its last row's diagonal.
-      const int64_t keys_end =
-          causal ? std::clamp<int64_t>(q0 + rows + offset, 0, S) : S;
-      for (int64_t k0 = 0; k0 < keys_end; k0 += kKeyBlock) {
+      // Keys this block may see: from its rows' first to their last (causally up to its last
+      // row's diagonal); key blocks outside are skipped.
+      int64_t keys_begin = S, keys_end = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const auto [lo, hi] = bounds.row(head, q0 + r);
+        if (lo < hi) keys_begin = std::min(keys_begin, lo), keys_end = std::max(keys_end, hi);
+      }
+      // (bfloat16 keys and values are arranged by whole key blocks: start at one)
+      const int64_t keys_start = low ? keys_begin / kKeyBlock * kKeyBlock : keys_begin;
+      for (int64_t k0 = keys_start; k0 < keys_end; k0 += kKeyBlock) {
         const int64_t kn = std::min(kKeyBlock, keys_end - k0), block = k0 / kKeyBlock;
         float* s = scores.data();
         if constexpr (low) {  // s = q · kᵀ, bfloat16 products, float32 sums, whole 32-key groups
@@ -404,13 +519,21 @@ std::vector<at::Tensor> forward_impl(
               rows, kn, D, D, S, kScoreStride, false, q_block, kd + kv * D * S + k0, s, false);
         }
         for (int64_t r = 0; r < rows; ++r) {
-          // Keys of this block row r may see; the rest of its p is 0.
-          const int64_t seen =
-              causal ? std::clamp<int64_t>(q0 + r + offset + 1 - k0, 0, kn) : kn;
+          // Keys first … seen − 1 of this block row r may see; the rest of its p is 0.
+          const auto [lo, hi] = bounds.row(head, q0 + r);
+          const int64_t first = std::clamp<int64_t>(lo - k0, 0, kn);
+          const int64_t seen = std::max(first, std::clamp<int64_t>(hi - k0, 0, kn)) - first;
           const int64_t width = low ? (kn + 1) / 2 * 2 : kn;
-          float* s_r = s + r * kScoreStride;
-          P* p_r = weights.data() + r * kWeightStride;
-          std::fill(p_r + seen, p_r + width, P(0.f));
+          P* p_row = weights.data() + r * kWeightStride;
+          std::fill(p_row, p_row + first, P(0.f));
+          std::fill(p_row + first + seen, p_row + width, P(0.f));
+          float* s_r = s + r * kScoreStride + first;  // from here on: the keys it may see
+          P* p_r = p_row + first;
+          if (rules.any()) {
+            const float slope = rules.slopes == nullptr ? 0.f : rules.slopes[head];
+            const int64_t d0 = q0 + r + rules.shift - (k0 + first);
+            modify_row(s_r, seen, static_cast<float>(scale), rules.cap, slope, d0);
+          }
           if (m[r] == kNegInf) {  // the row's first keys: their maximum becomes m
             const float m_new = row_max(s_r, seen, c);
             if (m_new == kNegInf) {  // no key seen yet: nothing to add, unless a score is NaN
@@ -589,12 +712,12 @@ void weighted_sum(const float* p, const T* v, int64_t stride, int64_t n, int64_t
 // contiguous. float32 throughout: bfloat16 inputs are widened as they are read.
 template <typename T>
 std::vector<at::Tensor> decode_impl(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
-    int64_t offset) {
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+    const KeyBounds& bounds, const ScoreRules& rules) {
   const int64_t NG = q.size(0), Lq = q.size(1), D = q.size(2);
   const int64_t N = k.size(0), S = k.size(1), Dv = v.size(2);
   const int64_t g = NG / N;
-  const float c = static_cast<float>(scale) * kLog2E;
+  const float c = rules.any() ? kLog2E : static_cast<float>(scale) * kLog2E;  // (forward_impl)
   auto out = at::empty({NG, Lq, Dv}, q.options().dtype(at::kFloat));
   auto lse = at::empty({NG, Lq}, q.options().dtype(at::kFloat));
   const T* qd = q.const_data_ptr<T>();
@@ -611,9 +734,15 @@ std::vector<at::Tensor> decode_impl(
     std::vector<float> query(D), p(S);
     for (int64_t z = begin; z < end; ++z) {
       const int64_t head = z / Lq, i = z % Lq;
-      const int64_t seen = causal ? std::clamp<int64_t>(i + offset + 1, 0, S) : S;
+      const auto [lo, hi] = bounds.row(head, i);
+      const int64_t seen = std::max<int64_t>(0, hi - lo);  // keys lo … hi − 1
       for (int64_t d = 0; d < D; ++d) query[d] = static_cast<float>(qd[z * D + d]);
-      dot_rows(query.data(), kd + (head / g) * k.stride(0), k.stride(1), seen, D, p.data());
+      const T* keys = kd + (head / g) * k.stride(0) + lo * k.stride(1);
+      dot_rows(query.data(), keys, k.stride(1), seen, D, p.data());
+      if (rules.any()) {
+        const float slope = rules.slopes == nullptr ? 0.f : rules.slopes[head];
+        modify_row(p.data(), seen, static_cast<float>(scale), rules.cap, slope, i + rules.shift - lo);
+      }
       const float m = row_max(p.data(), seen, c);
       float l = 0.f, *o = od + z * Dv;
       if (m == kNegInf) {  // no key (or only −inf scores): nothing to add, unless one is NaN
@@ -621,7 +750,8 @@ std::vector<at::Tensor> decode_impl(
         std::fill(o, o + Dv, l);
       } else {
         l = exp_row<float>(p.data(), p.data(), seen, c, m).sum;  // in place: 2^(s_j · c − m)
-        weighted_sum(p.data(), vd + (head / g) * v.stride(0), v.stride(1), seen, Dv, o);
+        const T* values = vd + (head / g) * v.stride(0) + lo * v.stride(1);
+        weighted_sum(p.data(), values, v.stride(1), seen, Dv, o);
         const float inv = 1.f / l;
         for (int64_t e = 0; e < Dv; ++e) o[e] *= inv;
       }
@@ -636,7 +766,8 @@ std::vector<at::Tensor> decode_impl(
 // number of them, 0 included): returns out (*B, Hq, Lq, Dv) and lse (*B, Hq, Lq), float32.
 std::vector<at::Tensor> decode(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
-    int64_t offset) {
+    int64_t offset, const at::Tensor& ranges, int64_t heads_per_range, double softcap,
+    const at::Tensor& slopes) {
   TORCH_CHECK(q.dim() >= 3 && k.dim() == q.dim() && v.dim() == q.dim(), "q, k, v: same dims");
   TORCH_CHECK(q.sizes().slice(0, q.dim() - 3) == k.sizes().slice(0, k.dim() - 3) &&
               k.sizes().slice(0, k.dim() - 2) == v.sizes().slice(0, v.dim() - 2),
@@ -649,12 +780,15 @@ std::vector<at::Tensor> decode(
     return flat.stride(2) == 1 ? flat : flat.contiguous();
   };
   const at::Tensor q3 = q.reshape({-1, q.size(-2), q.size(-1)}).contiguous();
+  const KeyBounds bounds =
+      key_bounds(causal, offset, k.size(-2), q.size(-2), ranges, heads_per_range);
+  const ScoreRules rules = score_rules(softcap, slopes, q3.size(0), k.size(-2), q.size(-2));
   std::vector<at::Tensor> result;
   if (q.scalar_type() == at::kBFloat16) {
-    result = decode_impl<at::BFloat16>(q3, rows(k), rows(v), scale, causal, offset);
+    result = decode_impl<at::BFloat16>(q3, rows(k), rows(v), scale, bounds, rules);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "float32 or bfloat16");
-    result = decode_impl<float>(q3, rows(k), rows(v), scale, causal, offset);
+    result = decode_impl<float>(q3, rows(k), rows(v), scale, bounds, rules);
   }
   std::vector<int64_t> shape(q.sizes().begin(), q.sizes().end());
   shape.back() = v.size(-1);
@@ -680,22 +814,26 @@ at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k_new, const at::T
   v_buf.narrow(2, start, L).copy_(v_new);
   const int64_t S = start + L;
   const at::Tensor out =
-      decode(q, k_buf.narrow(2, 0, S), v_buf.narrow(2, 0, S), scale, causal, offset)[0];
+      decode(q, k_buf.narrow(2, 0, S), v_buf.narrow(2, 0, S), scale, causal, offset, at::Tensor(),
+             1, 0.0, at::Tensor())[0];
   return out.to(q.scalar_type());
 }
 
 std::vector<at::Tensor> forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
-    int64_t offset) {
+    int64_t offset, const at::Tensor& ranges, int64_t heads_per_range, double softcap,
+    const at::Tensor& slopes) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "need contiguous");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type());
   TORCH_CHECK(k.size(0) > 0 && q.size(0) % k.size(0) == 0, "heads must group");
+  const KeyBounds bounds = key_bounds(causal, offset, k.size(1), q.size(1), ranges, heads_per_range);
+  const ScoreRules rules = score_rules(softcap, slopes, q.size(0), k.size(1), q.size(1));
   if (q.scalar_type() == at::kBFloat16) {
-    return forward_impl<at::BFloat16>(q, k, v, scale, causal, offset);
+    return forward_impl<at::BFloat16>(q, k, v, scale, causal, bounds, rules);
   }
   TORCH_CHECK(q.scalar_type() == at::kFloat, "float32 or bfloat16");
-  return forward_impl<float>(q, k, v, scale, causal, offset);
+  return forward_impl<float>(q, k, v, scale, causal, bounds, rules);
 }
 
 // Whether this CPU runs bfloat16 products in matrix units (otherwise bfloat16 goes as float32).

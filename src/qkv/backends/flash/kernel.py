@@ -1,6 +1,7 @@
 """flash's compiled CPU kernel (``flash_cpu.cpp``): how it is built and loaded, the calls it runs.
 
-The kernel runs the forward recurrence of ``loop.py`` for calls without a mask, one query block
+The kernel runs the forward recurrence of ``loop.py`` for calls without a mask (a causal rule,
+a window and packed sequences given as each query row's range of keys), one query block
 of one head at a time in cache-sized buffers, with one fused exp/sum pass per key block. Calls
 with fewer than ``DECODE_QUERIES`` queries (decoding) take its other path: one query row at a
 time, K/V read where they lie, so a KV cache's buffer is never copied.
@@ -9,9 +10,10 @@ The kernel is compiled the first time it is needed, for the machine it runs on
 (``-march=native``), with torch's C++ extension tooling (a C++ compiler and ninja), and cached by
 torch under ``~/.cache/torch_extensions`` (``TORCH_EXTENSIONS_DIR`` moves it), so only the first
 use in a fresh environment pays the ~30 s build. The cached build is named after the CPU's
-feature flags, so a cache shared by different machines never hands one a build for another's
-instruction set. Where it cannot be built, qkv warns once; flash then runs its PyTorch loop,
-which computes the same thing more slowly, and ``"auto"`` picks torch's kernel instead.
+feature flags and the source's hash, so a cache shared by different machines or different
+versions of qkv never hands one a build for another's instruction set or another's source.
+Where it cannot be built, qkv warns once; flash then runs its PyTorch loop, which computes the
+same thing more slowly, and ``"auto"`` picks torch's kernel instead.
 ``QKV_FLASH_KERNEL=0`` (or ``ENABLED = False``) skips the kernel without trying.
 """
 
@@ -56,7 +58,7 @@ def _build() -> ModuleType | None:
         if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
         module: ModuleType = cpp_extension.load(
-            name=f"qkv_flash_cpu_{_cpu_id()}",
+            name=f"qkv_flash_cpu_{_cpu_id()}_{_source_id()}",
             sources=[str(_SOURCE)],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -72,6 +74,12 @@ def _build() -> ModuleType | None:
             stacklevel=4,
         )
         return None
+
+
+def _source_id() -> str:
+    """A short hash of the kernel's source: builds of different versions (another checkout of
+    qkv sharing the cache) never take each other's place, so none loads a stale build."""
+    return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
 
 
 def _cpu_id() -> str:
@@ -101,23 +109,46 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal_offset: int | None,
+    ranges: tuple[torch.Tensor, int] | None = None,
+    softcap: float | None = None,
+    slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``loop.forward`` (without a mask) on the compiled kernel: (out, lse) in float32, or None
-    where it does not apply (``takes``)."""
+    where it does not apply (``takes``). ``ranges``: (the keys [lo, hi) each query row may see,
+    (R, Lq, 2) int64, and how many consecutive heads of q share one of the R), for a window or
+    packed sequences (``rules.kernel_ranges``); the causal rule is then part of them.
+    ``softcap``, and ALiBi ``slopes`` (one float32 per query head of the flattened (*B, Hq)),
+    change each score before its exponential."""
     if not takes(q, k, v):
         return None
     kernel = load()  # built and cached by takes
     assert kernel is not None
     causal = causal_offset is not None
+    bounds, heads_per_range = (torch.empty(0, dtype=torch.long), 1) if ranges is None else ranges
+    rules = (softcap or 0.0, torch.empty(0) if slopes is None else slopes)
     if q.shape[-2] < DECODE_QUERIES:  # one row at a time, K/V read where they lie
         if q.dtype != torch.float16 and q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
-            out, lse = kernel.decode(q, k, v, scale, causal, causal_offset or 0)
+            out, lse = kernel.decode(
+                q, k, v, scale, causal, causal_offset or 0, bounds, heads_per_range, *rules
+            )
             return out, lse  # the common case: (*B, Hq, Lq, Dv), (*B, Hq, Lq) as they come
         dtype = torch.float32 if q.dtype == torch.float16 else q.dtype
         q_flat, k_flat, v_flat, batch = flat_heads(q, k, v, dtype)  # batch dims broadcast
         out, lse = kernel.decode(
-            q_flat.flatten(0, 1), k_flat, v_flat, scale, causal, causal_offset or 0
+            q_flat.flatten(0, 1),
+            k_flat,
+            v_flat,
+            scale,
+            causal,
+            causal_offset or 0,
+            bounds,
+            heads_per_range,
+            *rules,
         )
     else:
         low = q.dtype == torch.bfloat16 and kernel.bfloat16_products()
@@ -130,6 +161,9 @@ def forward(
             scale,
             causal,
             causal_offset or 0,
+            bounds,
+            heads_per_range,
+            *rules,
         )
     hq = q.shape[-3]
     return out.view(*batch, hq, *out.shape[1:]), lse.view(*batch, hq, lse.shape[-1])

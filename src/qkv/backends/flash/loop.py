@@ -36,8 +36,12 @@ keys into blocks (ring attention does) and add up the blocks' gradients.
 
 Masks: ``qkv.masks.tile_keep`` / ``tile_bias`` give each tile's part of the mask and causal rule,
 so a mask is only ever sliced, never expanded. Causal tiles entirely above the diagonal are
-skipped; tiles entirely below it need no mask at all. A query row with no key it may attend keeps
-l = 0: its output is 0, its lse −inf, and its gradient 0.
+skipped; tiles entirely below it need no mask at all. What real models add (``rules.py``):
+soft-capping and ALiBi change a tile's scores before the update above (and, in the backward
+pass, ds by soft-capping's derivative 1 − tanh², with the slopes' gradient −Σ ds · distance);
+key tiles outside a window or a query tile's segments are skipped like causal ones. Sinks are
+not here: they join each row after its last tile (``flash.with_sinks``). A query row with no
+key it may attend keeps l = 0: its output is 0, its lse −inf, and its gradient 0.
 
 The first tile of a row sets m, l and acc directly (the update above, starting from m = −inf,
 l = 0, acc = 0); a call whose keys fit in one tile, such as decoding one token against a KV cache,
@@ -77,6 +81,7 @@ import torch
 
 from qkv import _checks, masks
 from qkv.backends.base import compute_dtype
+from qkv.backends.flash.rules import LOG2_E, Rules, TileRules  # scores in base-2 units
 
 # Tile sizes: a (rows, keys) tile of scores for all heads of a call should stay in this machine's
 # caches while it is exponentiated and summed; measured on a 2-core x86 CPU (see
@@ -84,7 +89,6 @@ from qkv.backends.base import compute_dtype
 # QUERY_TILE × KEY_TILE scores per head), so decoding one token is a single tile.
 QUERY_TILE = 256
 KEY_TILE = 512
-LOG2_E = 1.0 / math.log(2.0)  # scores in base-2 units: exp(x) = 2^(x · LOG2_E)
 LN_2 = math.log(2.0)
 # With fewer query rows than this per key/value head, the keys are used as they lie in memory;
 # with more, they are first copied transposed, which the products run faster on.
@@ -101,13 +105,16 @@ def forward(
     scale: float,
     causal_offset: int | None = None,
     mask: torch.Tensor | None = None,
+    rules: Rules | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiled attention forward pass.
 
     q (*B, Hq, Lq, Dk), k (*B, Hkv, Lk, Dk), v (*B, Hkv, Lk, Dv) with Hq = g·Hkv (key/value head
     j serves query heads j·g … j·g+g−1; K/V are not copied). ``mask`` (bool True = may attend, or
     float added to the scaled scores) broadcasts to (*B, Hq, Lq, Lk); ``causal_offset``: query i
-    may attend key j iff j <= i + causal_offset.
+    may attend key j iff j <= i + causal_offset. ``rules``: soft-capping, ALiBi, a window's left
+    edge and segments, computed per tile (``rules.py``); key tiles none of a query tile's rows
+    may reach are skipped.
 
     Returns ``out`` (*B, Hq, Lq, Dv) in the compute dtype (float32 for float16/bfloat16, else the
     input dtype) and ``lse`` (*B, Hq, Lq), the log-sum-exp of each row's scaled, masked scores
@@ -115,14 +122,14 @@ def forward(
     """
     with torch.no_grad():
         heads = _Heads.of(q, k, v, scale)
-        tiles = _Tiles(heads, mask, causal_offset)
+        tiles = _Tiles(heads, mask, causal_offset, rules)
         lowest = torch.finfo(heads.dtype).min
         out = heads.new((heads.n, heads.g, heads.lq, heads.dv))
         lse = heads.new((heads.n, heads.g, heads.lq))
         for q0, q1 in _spans(heads.lq, QUERY_TILE):
             q_rows = heads.rows(heads.q, q0, q1)  # (N, R, Dk), times scale · log2(e)
             key_tiles = tiles.keys_for(q0, q1)
-            if not key_tiles:  # no key may be attended (causal): out = 0, lse = -inf
+            if not key_tiles:  # no key may be attended: out = 0, lse = -inf
                 out[:, :, q0:q1] = 0.0
                 lse[:, :, q0:q1] = _NEG_INF
                 continue
@@ -165,6 +172,27 @@ def backward(
     causal_offset: int | None = None,
     mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of attention over this block of keys (``backward_all`` without rules)."""
+    dq, dk, dv, _ = backward_all(
+        q, k, v, out, grad_out, lse, scale=scale, causal_offset=causal_offset, mask=mask
+    )
+    return dq, dk, dv
+
+
+def backward_all(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    scale: float,
+    causal_offset: int | None = None,
+    mask: torch.Tensor | None = None,
+    rules: Rules | None = None,
+    grad_lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of attention over this block of keys.
 
     Shapes as in ``forward``; ``out`` (*B, Hq, Lq, Dv) and ``lse`` (*B, Hq, Lq) are the FINAL
@@ -173,12 +201,19 @@ def backward(
     summed over the query heads each key/value head serves), in the compute dtype. When the keys
     are split into blocks, the blocks' dk/dv are the parts of the full ones and their dq add up
     to the full dq. Rows with lse = −inf (no key) get zero gradient.
+
+    ``grad_lse`` (*B, Hq, Lq), the gradient of lse if the caller uses it: d lse / d s_j = p_j, so
+    it joins every score's gradient as ds_j = p_j (dp_j − D + grad_lse), i.e. D − grad_lse
+    replaces D. The fourth result is the ALiBi slopes' gradient, (*B, Hq) (None unless
+    ``rules.alibi_slopes`` requires one).
     """
     with torch.no_grad():
         heads = _Heads.of(q, k, v, scale)
-        tiles = _Tiles(heads, mask, causal_offset)
+        tiles = _Tiles(heads, mask, causal_offset, rules, backward=True)
         # D_i = Σ_d dout_id · out_id = Σ_j p_ij dp_ij over ALL keys of row i (see module doc).
         delta = (grad_out.to(heads.dtype) * out.to(heads.dtype)).sum(dim=-1, keepdim=True)
+        if grad_lse is not None:
+            delta = delta - grad_lse.to(heads.dtype)[..., None]
         # exp(s - lse) must be 0 for a row with no key: lse = +inf gives that for any finite s.
         lse = lse.to(heads.dtype)[..., None] * LOG2_E  # in base 2, as the scores
         lse = heads.flatten_rows(lse.masked_fill(lse == _NEG_INF, math.inf))  # (N, g, Lq, 1)
@@ -199,6 +234,8 @@ def backward(
                 dv[:, k0:k1].baddbmm_(p.transpose(1, 2), dout)  # (N, kt, Dv)
                 dp = tiles.value_products(dout, k0, k1)  # (N, R, kt) dout V[k0:k1]ᵀ
                 ds = dp.sub_(delta_rows).mul_(p)  # (N, R, kt) dL/ds = p ∘ (dp − D)
+                if tiles.rules is not None:  # through ALiBi and soft-capping to q·k · scale
+                    ds = tiles.rules.gradient(ds, q0, q1, k0, k1)
                 dq_rows.baddbmm_(ds, heads.k[:, k0:k1])  # (N, R, Dk)
                 # q_rows carries scale · log2(e): dk = dsᵀ (q · scale) is this times ln(2)
                 dk[:, k0:k1].baddbmm_(ds.transpose(1, 2), q_rows)  # (N, kt, Dk)
@@ -206,7 +243,7 @@ def backward(
         dq = heads.unflatten(dq).sum_to_size(q.shape)
         dk = heads.unflatten_kv(dk.mul_(LN_2)).sum_to_size(k.shape)
         dv = heads.unflatten_kv(dv).sum_to_size(v.shape)
-        return dq, dk, dv
+        return dq, dk, dv, tiles.slopes_grad()
 
 
 # --- layout and tiles ----------------------------------------------------------------------------
@@ -315,20 +352,42 @@ class _Tiles:
     allocations of this size cost page faults, which at these sizes rival the arithmetic.
     """
 
-    def __init__(self, heads: _Heads, mask: torch.Tensor | None, offset: int | None) -> None:
+    def __init__(
+        self,
+        heads: _Heads,
+        mask: torch.Tensor | None,
+        offset: int | None,
+        rules: Rules | None = None,
+        backward: bool = False,
+    ) -> None:
         self.heads, self.mask, self.offset = heads, mask, offset
+        self.rules = None
+        if rules is not None and not rules.empty:
+            shape = (heads.n, heads.g, heads.lq, heads.lk)
+            self.rules = TileRules(rules, heads.batch, shape, heads.dtype, backward)
         self._causal_blocked: dict[tuple[int, int, int], torch.Tensor] = {}
         self._buffers: dict[str, torch.Tensor] = {}
         self.key_tile = max(KEY_TILE, QUERY_TILE * KEY_TILE // max(1, min(QUERY_TILE, heads.lq)))
         self.single = heads.lq <= QUERY_TILE and heads.lk <= self.key_tile  # one tile in all
 
     def keys_for(self, q0: int, q1: int) -> list[tuple[int, int]]:
-        """Key tiles that queries q0:q1 may see: all of them, or causally those up to the last
-        query's diagonal (tiles entirely above it are skipped)."""
+        """Key tiles that queries q0:q1 may see: all of them, or those up to the last query's
+        causal diagonal, from the first query's window edge, within their segments (tiles
+        outside are skipped)."""
+        if self.rules is not None:
+            start, end = self.rules.key_range(self.offset, q0, q1)
+            return _spans(end, self.key_tile, start)
         end = self.heads.lk
         if self.offset is not None:
             end = max(0, min(end, q1 - 1 + self.offset + 1))
         return _spans(end, self.key_tile)
+
+    def slopes_grad(self) -> torch.Tensor | None:
+        """(*B, Hq): the ALiBi slopes' gradient a backward pass added up (None if none)."""
+        if self.rules is None or self.rules.slopes_grad is None:
+            return None
+        heads = self.heads
+        return self.rules.slopes_grad.reshape(*heads.batch, heads.hkv * heads.g)
 
     def scores(self, q_rows: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         """(N, R, k1−k0) scores of queries q0:q1 against keys k0:k1 in base 2 (q_rows carries
@@ -341,14 +400,28 @@ class _Tiles:
             shape = (heads.n, q_rows.shape[1], k1 - k0)
             scores = torch.bmm(q_rows, keys_t, out=self._buffer("scores", shape, heads.dtype))
         offset = self._offset_in(q0, k1)
-        if self.mask is None and offset is None:
+        lower, segments = None, None
+        if self.rules is not None:
+            self.rules.modify(scores, q0, q1, k0, k1)  # soft-capping, ALiBi
+            lower, segments = self.rules.lower_in(q0, q1, k0), self.rules.rules.segments
+        if self.mask is None and offset is None and lower is None and segments is None:
             return scores
         per_head = scores.view(*heads.batch, heads.hkv * heads.g, q1 - q0, k1 - k0)
         bias = masks.tile_bias(self.mask, q0, q1, k0, k1)
         if bias is not None:  # a float mask's values are added to the scaled scores
             per_head.add_(bias, alpha=LOG2_E)
-        if self.mask is not None:
-            keep = masks.tile_keep(self.mask, offset, q0, q1, k0, k1, heads.device)
+        if self.mask is not None or lower is not None or segments is not None:
+            keep = masks.tile_keep(
+                self.mask,
+                offset,
+                q0,
+                q1,
+                k0,
+                k1,
+                heads.device,
+                window_offset=lower,
+                segments=segments,
+            )
             if keep is not None:
                 per_head.masked_fill_(keep.logical_not(), _NEG_INF)
         else:  # only the columns that reach above the diagonal need the causal mask
@@ -389,6 +462,6 @@ class _Tiles:
         return self._causal_blocked[key]
 
 
-def _spans(length: int, tile: int) -> list[tuple[int, int]]:
-    """[(0, tile), (tile, 2·tile), …] covering range(length); the last one may be shorter."""
-    return [(start, min(start + tile, length)) for start in range(0, length, tile)]
+def _spans(length: int, tile: int, first: int = 0) -> list[tuple[int, int]]:
+    """[(first, first + tile), …] covering range(first, length); the last may be shorter."""
+    return [(start, min(start + tile, length)) for start in range(first, length, tile)]
