@@ -28,11 +28,19 @@
 // quarter of all rows at T = 4096 on random inputs, and the branch, going either way at random,
 // cost more than the passes it redid.)
 
-// Matrix products go through at::native::cpublas::brgemm, torch's small-matrix kernel (oneDNN):
-// float32 products use the vector units; bfloat16 products use the CPU's bfloat16 matrix units
-// (AMX) with float32 sums, which need each key block in pairs-of-rows ("VNNI") order, built once
-// per call. Scores, softmax and accumulation are float32 in both cases; the weights that are
-// rounded to bfloat16 for the product come from a cheaper 2^x (within 7.5e-5 relative).
+// The vector passes (maxima, the fused exponentiation pass, the decoding path's dot products and
+// weighted sums) are written on ATen's portable vector type at::vec::Vectorized<float>, which
+// compiles to AVX-512 (16 lanes), AVX2 (8 lanes), NEON (4 lanes) or plain C++, as the build's
+// CPU_CAPABILITY says (kernel.py).
+//
+// Matrix products go through at::native::cpublas::brgemm, torch's small-matrix kernel (oneDNN
+// micro-kernels for the ISA the CPU has from AVX2 up; torch's cpublas::gemm below that). float32
+// products use the vector units; bfloat16 products use the CPU's bfloat16 matrix units (AMX)
+// with float32 sums, which need each key block in pairs-of-rows ("VNNI") order, built once per
+// call. Where the CPU has no such units, bfloat16 inputs are widened to float32 by the caller
+// and take the float32 path (bfloat16_products()). Scores, softmax and accumulation are float32
+// in every case; the weights that are rounded to bfloat16 for the product come from a cheaper
+// 2^x (within 7.5e-5 relative).
 //
 // Inputs: q (NG, Lq, D), k (N, S, D), v (N, S, Dv), contiguous, all float32 or all bfloat16;
 // query head i uses key/value head i / (NG / N) (grouped-query heads, K/V never repeated).
@@ -41,8 +49,9 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
@@ -118,44 +127,58 @@ inline float exp2_scalar(float x) {
   return std::ldexp(p, static_cast<int>(n));
 }
 
-#if defined(__AVX512F__)
-// The same 2^x on 16 lanes, in two instructions besides the polynomial: f = x − floor(x) from
-// reduce, and p(f) · 2^floor(x) from scalef, which floors its exponent itself, so n is never
-// formed (for −inf, f = 0 and the result is 0; NaN stays NaN). Results below 2^-126 are flushed
-// to 0 by the flush-to-zero mode the kernel runs in (see forward_impl).
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = Vec::size();
+
+// The same 2^x on a vector: n = floor(x), f = x − n, and p(f) · 2^n with 2^n made from its
+// exponent bits, (n + 127) · 2^23. Lanes below −127 (−inf included) are first raised to −127,
+// whose 2^n has all exponent bits 0: 2^n = 0, so below −126 the result is 0 without subnormal
+// results. A NaN lane fails the comparison, keeps NaN and gives NaN through p. Above 128 the
+// exponent bits overflow: the kernel never uses such lanes (m moves up first; see lag_allowed).
 template <int Terms>
-inline __m512 exp2_avx512(__m512 x, const float (&coefficients)[Terms]) {
-  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 p = _mm512_set1_ps(coefficients[0]);
-  for (int i = 1; i < Terms; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(coefficients[i]));
-  return _mm512_scalef_ps(p, x);
+inline Vec exp2_vec(Vec x, const float (&coefficients)[Terms]) {
+  const Vec lowest(-127.f);
+  x = Vec::blendv(x, lowest, x < lowest);
+  const Vec n = x.floor();
+  const Vec f = x - n;
+  Vec p(coefficients[0]);
+  for (int i = 1; i < Terms; ++i) p = at::vec::fmadd(p, f, Vec(coefficients[i]));
+  constexpr float kOne = 8388608.f;  // 2^23: one step of the exponent field
+  const Vec exponent = at::vec::fmadd(n, Vec(kOne), Vec(127.f * kOne));
+  return p * at::vec::cast<float>(at::vec::convert_to_int_of_same_size(exponent));
 }
-#endif
+
+// Lanes 0 … count − 1 of a vector (count ≤ kLanes), as a comparison mask.
+inline Vec first_lanes(int64_t count) {
+  return Vec::arange(0.f, 1.f) < Vec(static_cast<float>(count));
+}
+
+inline float sum_lanes(const Vec& x) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x);
+}
 
 // The running extreme of one row's scores: the largest (Up) or the smallest. NaN is skipped.
 template <bool Up>
 inline float row_extreme(const float* s, int64_t n) {
-  const auto better = [](float a, float b) { return Up ? std::max(a, b) : std::min(a, b); };
-  float best = Up ? kNegInf : -kNegInf;
-  int64_t j = 0;
-#if defined(__AVX512F__)
+  // e where x is NaN (the comparison fails) or not better
+  const auto step = [](const Vec& e, const Vec& x) { return Vec::blendv(e, x, Up ? x > e : x < e); };
+  const float worst = Up ? kNegInf : -kNegInf;
   // Four running extremes, so that each comparison need not wait for the one before.
-  const auto step = [](__m512 x, __m512 e) {
-    return Up ? _mm512_max_ps(x, e) : _mm512_min_ps(x, e);  // e where x is NaN
-  };
-  __m512 e0 = _mm512_set1_ps(best), e1 = e0, e2 = e0, e3 = e0;
-  for (; j + 64 <= n; j += 64) {
-    e0 = step(_mm512_loadu_ps(s + j), e0);
-    e1 = step(_mm512_loadu_ps(s + j + 16), e1);
-    e2 = step(_mm512_loadu_ps(s + j + 32), e2);
-    e3 = step(_mm512_loadu_ps(s + j + 48), e3);
+  Vec e0(worst), e1 = e0, e2 = e0, e3 = e0;
+  int64_t j = 0;
+  for (; j + 4 * kLanes <= n; j += 4 * kLanes) {
+    e0 = step(e0, Vec::loadu(s + j));
+    e1 = step(e1, Vec::loadu(s + j + kLanes));
+    e2 = step(e2, Vec::loadu(s + j + 2 * kLanes));
+    e3 = step(e3, Vec::loadu(s + j + 3 * kLanes));
   }
-  for (; j + 16 <= n; j += 16) e0 = step(_mm512_loadu_ps(s + j), e0);
-  const __m512 e = step(step(e0, e1), step(e2, e3));
-  best = Up ? _mm512_reduce_max_ps(e) : _mm512_reduce_min_ps(e);
-#endif
-  for (; j < n; ++j) best = better(best, s[j]);
-  return best;
+  for (; j < n; j += kLanes) {  // the last lanes: the rest of the vector is worst
+    const int64_t count = std::min(kLanes, n - j);
+    e0 = step(e0, Vec::blendv(Vec(worst), Vec::loadu(s + j, count), first_lanes(count)));
+  }
+  const Vec e = step(step(e0, e1), step(e2, e3));
+  const auto pick = [](Vec& a, Vec& b) { return Up ? at::vec::maximum(a, b) : at::vec::minimum(a, b); };
+  return at::vec::vec_reduce_all<float>(pick, e);  // no NaN left to propagate
 }
 
 // max_j s_j · c over one row: c times the largest score, or the smallest where c < 0. NaN scores
@@ -191,74 +214,42 @@ struct Exponentials {
   float top;  // max_j (s_j · c − m), NaN skipped: above 0, a new maximum
 };
 
-#if defined(__AVX512F__)
 // 2^x for weights of type P: float32 weights to float32 precision, bfloat16 ones cheaper.
 template <typename P>
-inline __m512 weight_exp2(__m512 x) {
-  if constexpr (std::is_same_v<P, float>) return exp2_avx512(x, kExp2Degree5);
-  else return exp2_avx512(x, kExp2Degree3);
+inline Vec weight_exp2(const Vec& x) {
+  if constexpr (std::is_same_v<P, float>) return exp2_vec(x, kExp2Degree5);
+  else return exp2_vec(x, kExp2Degree3);
 }
-#endif
 
 // p_j = 2^(s_j · c − m) written to p (float32 or bfloat16), with their sum and largest exponent.
 template <typename P>
 inline Exponentials exp_row(const float* s, P* p, int64_t n, float c, float m) {
-  constexpr bool f32 = std::is_same_v<P, float>;
+  const Vec vc(c), vm(m);
+  Vec sums(0.f), tops(kNegInf);
+  // Exponentials of count ≤ kLanes scores from s + j, added to sums and tops. Lanes past count
+  // are −inf: weight 0, and never the top.
+  const auto weights = [&](int64_t j, int64_t count) {
+    Vec x = at::vec::fmsub(Vec::loadu(s + j, count), vc, vm);
+    if (count < kLanes) x = Vec::blendv(Vec(kNegInf), x, first_lanes(count));
+    tops = Vec::blendv(tops, x, x > tops);  // tops where x is NaN
+    const Vec e = weight_exp2<P>(x);
+    sums = sums + e;
+    return e;
+  };
   int64_t j = 0;
-  Exponentials row{0.f, kNegInf};
-#if defined(__AVX512F__)
-  __m512 sums = _mm512_setzero_ps(), tops = _mm512_set1_ps(kNegInf);
-  const __m512 vc = _mm512_set1_ps(c), vm = _mm512_set1_ps(m);
-  if constexpr (f32) {
-    for (; j + 16 <= n; j += 16) {
-      const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), vc, vm);
-      tops = _mm512_max_ps(x, tops);  // the second operand where x is NaN
-      const __m512 e = weight_exp2<P>(x);
-      sums = _mm512_add_ps(sums, e);
-      _mm512_storeu_ps(p + j, e);
+  if constexpr (std::is_same_v<P, float>) {
+    for (; j + kLanes <= n; j += kLanes) weights(j, kLanes).store(p + j);
+    if (j < n) weights(j, n - j).store(p + j, n - j);
+  } else {  // two vectors of weights make one of bfloat16
+    for (; j < n; j += 2 * kLanes) {
+      const int64_t count = std::min(2 * kLanes, n - j);
+      const Vec e0 = weights(j, std::min(kLanes, count));
+      const Vec e1 = count > kLanes ? weights(j + kLanes, count - kLanes) : Vec(0.f);
+      at::vec::convert_float_bfloat16(e0, e1).store(p + j, count);
     }
   }
-#if defined(__AVX512BF16__)
-  if constexpr (!f32) {
-    for (; j + 32 <= n; j += 32) {  // two vectors of weights make one of bfloat16
-      const __m512 x0 = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), vc, vm);
-      const __m512 x1 = _mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), vc, vm);
-      tops = _mm512_max_ps(x0, _mm512_max_ps(x1, tops));
-      const __m512 e0 = weight_exp2<P>(x0), e1 = weight_exp2<P>(x1);
-      sums = _mm512_add_ps(sums, _mm512_add_ps(e0, e1));
-      _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-    }
-  }
-  constexpr bool vector_weights = true;
-#else
-  constexpr bool vector_weights = f32;
-#endif
-  if constexpr (vector_weights) {
-    for (; j < n; j += 16) {  // the last keys, in as many lanes as are left
-      const __mmask16 lanes = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
-      const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(lanes, s + j), vc, vm);
-      tops = _mm512_mask_max_ps(tops, lanes, x, tops);
-      const __m512 e = weight_exp2<P>(x);
-      sums = _mm512_mask_add_ps(sums, lanes, sums, e);
-      if constexpr (f32) {
-        _mm512_mask_storeu_ps(p + j, lanes, e);
-      } else {
-#if defined(__AVX512BF16__)
-        _mm256_mask_storeu_epi16(p + j, lanes, (__m256i)_mm512_cvtneps_pbh(e));
-#endif
-      }
-    }
-  }
-  row = {_mm512_reduce_add_ps(sums), _mm512_reduce_max_ps(tops)};
-#endif
-  for (; j < n; ++j) {  // without AVX-512 (or bfloat16 conversions): one at a time
-    const float x = s[j] * c - m;
-    row.top = x > row.top ? x : row.top;
-    const float e = exp2_scalar(x);
-    row.sum += e;
-    p[j] = P(e);
-  }
-  return row;
+  const auto larger = [](Vec& a, Vec& b) { return at::vec::maximum(a, b); };
+  return {sum_lanes(sums), at::vec::vec_reduce_all<float>(larger, tops)};
 }
 
 // Keys and values in the order the products read them.
@@ -298,18 +289,8 @@ Operands arrange(const at::Tensor& k, const at::Tensor& v, int64_t key_blocks) {
           const auto* from = reinterpret_cast<const uint32_t*>(kh);
           auto* to = reinterpret_cast<uint32_t*>(kb);
           const int64_t pairs = D / 2;
+          // Key by key: each key's words are read once, in order (this runs once per call).
           int64_t j = 0;
-#if defined(__AVX512F__)
-          // 16 keys at a time: row i of the block gets one whole cache line (a gather of the
-          // 16 keys' i-th words).
-          const __m512i offsets = _mm512_mullo_epi32(
-              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-              _mm512_set1_epi32(static_cast<int>(pairs)));
-          for (; j + 16 <= kn; j += 16)
-            for (int64_t i = 0; i < pairs; ++i)
-              _mm512_storeu_si512(
-                  to + i * kKeyBlock + j, _mm512_i32gather_epi32(offsets, from + j * pairs + i, 4));
-#endif
           for (; j < kn; ++j)
             for (int64_t i = 0; i < pairs; ++i) to[i * kKeyBlock + j] = from[j * pairs + i];
           const int64_t kn32 = std::min(kKeyBlock, (kn + 31) / 32 * 32);
@@ -374,9 +355,6 @@ std::vector<at::Tensor> forward_impl(
   std::atomic<int64_t> next_block{0};
   const int64_t blocks = NG * query_blocks;
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    // Flush-to-zero: 2^x below 2^-126 becomes 0 (exp2_avx512) without slow subnormal results.
-    const unsigned int control = _mm_getcsr();
-    _mm_setcsr(control | _MM_FLUSH_ZERO_ON);
     Scratch<float> scores(kQueryBlock * kScoreStride), acc(kQueryBlock * Dv);
     std::vector<float> m(kQueryBlock), l(kQueryBlock);
     Scratch<P> weights(kQueryBlock * kWeightStride);
@@ -455,131 +433,84 @@ std::vector<at::Tensor> forward_impl(
       }
     }
     if constexpr (low) at::native::cpublas::brgemm_release(true);
-    _mm_setcsr(control);
   });
   return {out, lse};
 }
 
-// 16 float32 values from x (float32 or bfloat16, widened), the lanes not in `lanes` 0.
-#if defined(__AVX512F__)
+// float32 values from x (float32 or bfloat16, widened): a whole vector, or its first count
+// lanes (the rest 0).
 template <typename T>
-inline __m512 load16(const T* x, __mmask16 lanes) {
+inline Vec load_float(const T* x) {
   if constexpr (std::is_same_v<T, float>) {
-    return _mm512_maskz_loadu_ps(lanes, x);
-  } else {  // bfloat16: the upper half of a float32
-    const __m256i bits = _mm256_maskz_loadu_epi16(lanes, x);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    return Vec::loadu(x);
+  } else {
+    Vec out;
+    at::vec::load_fp32_from_bf16(x, out);
+    return out;
   }
 }
 
-// Lane i of the result: the sum of v[i]'s 16 lanes. Pairs of vectors are added lane-wise after
-// shuffles that line up their partial sums, halving the count at each step (45 instructions for
-// what 16 separate reductions would do in about 130).
-inline __m512 lane_sums(const __m512 (&v)[16]) {
-  __m512 t[8], w[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: v2i[0]+v2i[2], v2i+1[0]+v2i+1[2], ...
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per 128-bit lane: that lane's sums of v4i ... v4i+3
-    w[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const auto halves = [](__m512 a, __m512 b) {  // a's lanes 0+1, 2+3, then b's
-    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
-  };
-  return halves(halves(w[0], w[1]), halves(w[2], w[3]));
+template <typename T>
+inline Vec load_float(const T* x, int64_t count) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(x, count);
+  } else {
+    return std::get<0>(at::vec::convert_bfloat16_float(at::vec::Vectorized<T>::loadu(x, count)));
+  }
 }
 
-// The lanes of the c-th 16-value chunk of a row of n values.
-inline __mmask16 chunk_lanes(int64_t n, int64_t c) {
-  const int64_t left = std::clamp<int64_t>(n - 16 * c, 0, 16);
-  return static_cast<__mmask16>((1u << left) - 1);
+// q · key over D features, q float32, in one vector of partial sums (summed by the caller).
+template <typename T>
+inline Vec dot_lanes(const float* q, const T* key, int64_t D) {
+  Vec acc(0.f);
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes) acc = at::vec::fmadd(Vec::loadu(q + d), load_float(key + d), acc);
+  if (d < D) acc = at::vec::fmadd(Vec::loadu(q + d, D - d), load_float(key + d, D - d), acc);
+  return acc;
 }
-
-// dot_rows for rows of at most 16 · C values, held in C registers.
-template <int C, typename T>
-void dot_rows_in_registers(const float* q, const T* k, int64_t stride, int64_t n, int64_t D,
-                           float* s) {
-  __mmask16 lanes[C];
-  __m512 query[C];
-  for (int c = 0; c < C; ++c) {
-    lanes[c] = chunk_lanes(D, c);
-    query[c] = _mm512_maskz_loadu_ps(lanes[c], q + 16 * c);
-  }
-  const auto dot = [&](const T* key) {  // 16 products, summed across lanes by the caller
-    __m512 acc = _mm512_mul_ps(query[0], load16(key, lanes[0]));
-    for (int c = 1; c < C; ++c)
-      acc = _mm512_fmadd_ps(query[c], load16(key + 16 * c, lanes[c]), acc);
-    return acc;
-  };
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    __m512 sums[16];
-    for (int i = 0; i < 16; ++i) sums[i] = dot(k + (j + i) * stride);
-    _mm512_storeu_ps(s + j, lane_sums(sums));
-  }
-  for (; j < n; ++j) s[j] = _mm512_reduce_add_ps(dot(k + j * stride));
-}
-
-// weighted_sum for rows of at most 16 · C values, summed in C registers.
-template <int C, typename T>
-void weighted_sum_in_registers(const float* p, const T* v, int64_t stride, int64_t n, int64_t Dv,
-                               float* out) {
-  __mmask16 lanes[C];
-  __m512 acc[C];
-  for (int c = 0; c < C; ++c) {
-    lanes[c] = chunk_lanes(Dv, c);
-    acc[c] = _mm512_setzero_ps();
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    const __m512 weight = _mm512_set1_ps(p[j]);
-    for (int c = 0; c < C; ++c)
-      acc[c] = _mm512_fmadd_ps(weight, load16(v + j * stride + 16 * c, lanes[c]), acc[c]);
-  }
-  for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(out + 16 * c, lanes[c], acc[c]);
-}
-#endif
 
 // s_j = q · k_j for j < n, with k_j at k + j · stride (D contiguous values each).
 template <typename T>
 void dot_rows(const float* q, const T* k, int64_t stride, int64_t n, int64_t D, float* s) {
-#if defined(__AVX512F__)
-  switch ((D + 15) / 16) {
-    case 1: return dot_rows_in_registers<1>(q, k, stride, n, D, s);
-    case 2: return dot_rows_in_registers<2>(q, k, stride, n, D, s);
-    case 3: return dot_rows_in_registers<3>(q, k, stride, n, D, s);
-    case 4: return dot_rows_in_registers<4>(q, k, stride, n, D, s);
-    default: break;  // longer rows: below
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {  // four keys at a time: four independent chains of sums
+    const Vec a0 = dot_lanes(q, k + j * stride, D), a1 = dot_lanes(q, k + (j + 1) * stride, D);
+    const Vec a2 = dot_lanes(q, k + (j + 2) * stride, D), a3 = dot_lanes(q, k + (j + 3) * stride, D);
+    s[j] = sum_lanes(a0), s[j + 1] = sum_lanes(a1), s[j + 2] = sum_lanes(a2), s[j + 3] = sum_lanes(a3);
   }
-#endif
-  for (int64_t j = 0; j < n; ++j) {
-    const T* key = k + j * stride;
-    float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-    for (int64_t d = 0; d < D; ++d) dot += q[d] * static_cast<float>(key[d]);
-    s[j] = dot;
-  }
+  for (; j < n; ++j) s[j] = sum_lanes(dot_lanes(q, k + j * stride, D));
 }
 
-// out = Σ_{j < n} p_j v_j, with v_j at v + j · stride (Dv contiguous values each).
+// out = Σ_{j < n} p_j v_j, with v_j at v + j · stride (Dv contiguous values each): 64 output
+// features at a time, summed in 64 / kLanes registers.
 template <typename T>
 void weighted_sum(const float* p, const T* v, int64_t stride, int64_t n, int64_t Dv, float* out) {
-  int64_t e0 = 0;
-#if defined(__AVX512F__)
-  for (; e0 < Dv; e0 += 64) {  // 64 output features at a time
-    const int64_t width = std::min<int64_t>(64, Dv - e0);
-    switch ((width + 15) / 16) {
-      case 1: weighted_sum_in_registers<1>(p, v + e0, stride, n, width, out + e0); break;
-      case 2: weighted_sum_in_registers<2>(p, v + e0, stride, n, width, out + e0); break;
-      case 3: weighted_sum_in_registers<3>(p, v + e0, stride, n, width, out + e0); break;
-      default: weighted_sum_in_registers<4>(p, v + e0, stride, n, width, out + e0); break;
+  constexpr int64_t kGroup = 64, kChunks = kGroup / kLanes;
+  for (int64_t e0 = 0; e0 < Dv; e0 += kGroup) {
+    const int64_t width = std::min(kGroup, Dv - e0);
+    Vec acc[kChunks];
+    for (auto& a : acc) a = Vec(0.f);
+    if (width == kGroup) {
+      for (int64_t j = 0; j < n; ++j) {
+        const Vec weight(p[j]);
+        const T* row = v + j * stride + e0;
+        for (int64_t c = 0; c < kChunks; ++c)
+          acc[c] = at::vec::fmadd(weight, load_float(row + c * kLanes), acc[c]);
+      }
+      for (int64_t c = 0; c < kChunks; ++c) acc[c].store(out + e0 + c * kLanes);
+      continue;
     }
-  }
-#endif
-  for (int64_t e = e0; e < Dv; ++e) {
-    float sum = 0.f;
-    for (int64_t j = 0; j < n; ++j) sum += p[j] * static_cast<float>(v[j * stride + e]);
-    out[e] = sum;
+    const int64_t chunks = (width + kLanes - 1) / kLanes;  // the last group's: fewer, the last partial
+    for (int64_t j = 0; j < n; ++j) {
+      const Vec weight(p[j]);
+      const T* row = v + j * stride + e0;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t count = std::min(kLanes, width - c * kLanes);
+        acc[c] = at::vec::fmadd(weight, load_float(row + c * kLanes, count), acc[c]);
+      }
+    }
+    for (int64_t c = 0; c < chunks; ++c)
+      acc[c].store(out + e0 + c * kLanes, std::min(kLanes, width - c * kLanes));
   }
 }
 
@@ -606,8 +537,6 @@ std::vector<at::Tensor> decode_impl(
   const int64_t row_work = std::max<int64_t>(1, S * (D + Dv));
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / row_work);
   at::parallel_for(0, NG * Lq, grain, [&](int64_t begin, int64_t end) {
-    const unsigned int control = _mm_getcsr();
-    _mm_setcsr(control | _MM_FLUSH_ZERO_ON);  // as in forward_impl
     std::vector<float> query(D), p(S);
     for (int64_t z = begin; z < end; ++z) {
       const int64_t head = z / Lq, i = z % Lq;
@@ -627,7 +556,6 @@ std::vector<at::Tensor> decode_impl(
       }
       ld[z] = row_lse(m, l);
     }
-    _mm_setcsr(control);
   });
   return {out, lse};
 }
@@ -701,6 +629,21 @@ std::vector<at::Tensor> forward(
 // Whether this CPU runs bfloat16 products in matrix units (otherwise bfloat16 goes as float32).
 bool bfloat16_products() { return at::native::cpublas::could_pack(at::kBFloat16); }
 
+#define QKV_STRING(x) #x
+#define QKV_EXPANDED_STRING(x) QKV_STRING(x)
+
+// What this build runs: ATen's vector capability and width, and each dtype's product path.
+pybind11::dict build_info() {
+  pybind11::dict info;
+  info["capability"] = QKV_EXPANDED_STRING(CPU_CAPABILITY);
+  info["vector_bits"] = kLanes * 32;
+  info["float32_products"] = "cpublas::brgemm (oneDNN micro-kernel; cpublas::gemm without one)";
+  info["bfloat16_products"] = bfloat16_products()
+                                  ? "cpublas::brgemm in bfloat16 (matrix units), float32 sums"
+                                  : "float32 products (inputs widened)";
+  return info;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -708,4 +651,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("decode", &decode, "flash forward for a few queries, k and v strided: (out, lse)");
   module.def("decode_step", &decode_step, "write new keys/values into a KV cache's buffers, attend");
   module.def("bfloat16_products", &bfloat16_products);
+  module.def("build_info", &build_info, "capability, vector width, product paths");
 }

@@ -5,14 +5,24 @@ of one head at a time in cache-sized buffers, with one fused exp/sum pass per ke
 with fewer than ``DECODE_QUERIES`` queries (decoding) take its other path: one query row at a
 time, K/V read where they lie, so a KV cache's buffer is never copied.
 
-The kernel is compiled the first time it is needed, for the machine it runs on
-(``-march=native``), with torch's C++ extension tooling (a C++ compiler and ninja), and cached by
-torch under ``~/.cache/torch_extensions`` (``TORCH_EXTENSIONS_DIR`` moves it), so only the first
-use in a fresh environment pays the ~30 s build. The cached build is named after the CPU's
-feature flags, so a cache shared by different machines never hands one a build for another's
-instruction set. Where it cannot be built, qkv warns once; flash then runs its PyTorch loop,
-which computes the same thing more slowly, and ``"auto"`` picks torch's kernel instead.
-``QKV_FLASH_KERNEL=0`` (or ``ENABLED = False``) skips the kernel without trying.
+The kernel is compiled the first time it is needed with torch's C++ extension tooling (a C++
+compiler and ninja), and cached by torch under ``~/.cache/torch_extensions``
+(``TORCH_EXTENSIONS_DIR`` moves it), so only the first use in a fresh environment pays the
+~1 min build. Its vector passes are written on ATen's portable vector type
+(``at::vec::Vectorized<float>``), so one source compiles to AVX-512, AVX2, NEON or plain C++;
+``QKV_FLASH_ISA`` picks the instruction set:
+
+- ``native`` (the default): everything the running CPU has (``-march=native``), with ATen's
+  vectors as wide as its best ISA (AVX-512, else AVX2; NEON on aarch64);
+- ``avx512``: AVX-512 (F, BW, VL, DQ) and nothing newer, 512-bit vectors;
+- ``avx2``: AVX2, FMA and F16C, 256-bit vectors: what a CPU without AVX-512 runs, built and
+  measured on one that has it.
+
+The cached build is named after the ISA and the CPU's feature flags, so a cache shared by
+different machines never hands one a build for another's instruction set. Where it cannot be
+built, qkv warns once; flash then runs its PyTorch loop, which computes the same thing more
+slowly, and ``"auto"`` picks torch's kernel instead. ``QKV_FLASH_KERNEL=0`` (or
+``ENABLED = False``) skips the kernel without trying. ``build_info()`` says what was built.
 """
 
 from __future__ import annotations
@@ -34,34 +44,91 @@ ENABLED = os.environ.get("QKV_FLASH_KERNEL", "1") != "0"
 # which reads K/V where they lie (a KV cache's buffer) instead of rearranging them into blocks.
 DECODE_QUERIES = 16
 
-_SOURCE = Path(__file__).with_name("flash_cpu.cpp")
-_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+# The instruction set the kernel is built for: "native", "avx512" or "avx2" (see above).
+ISA = os.environ.get("QKV_FLASH_ISA", "native")
+ISAS = ("native", "avx512", "avx2")
+
+SOURCE = Path(__file__).with_name("flash_cpu.cpp")
+_COMMON_FLAGS = ["-O3", "-fopenmp"]
+# ATen's vector headers pick their width from CPU_CAPABILITY_* (as torch's own kernels are
+# built, once per capability); the compiler flags must allow the instructions that width needs.
+_AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]
+_AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 _loaded: dict[str, ModuleType | None] = {}
+
+
+def capability_flags(isa: str) -> list[str]:
+    """The compiler flags of a build for ``isa`` ("native", "avx512" or "avx2") on this CPU:
+    the instruction set, and the CPU_CAPABILITY that gives ATen's vectors their width."""
+    if isa not in ISAS:
+        raise ValueError(f"QKV_FLASH_ISA: expected one of {', '.join(ISAS)}, got {isa!r}")
+    if isa == "avx512":
+        return [*_AVX512_FLAGS, *_capability("AVX512")]
+    if isa == "avx2":
+        return [*_AVX2_FLAGS, *_capability("AVX2")]
+    flags = cpu_flags()
+    if flags.issuperset(_AVX512_CPU_FLAGS):
+        return ["-march=native", *_capability("AVX512")]
+    if flags.issuperset({"avx2", "fma"}):
+        return ["-march=native", *_capability("AVX2")]
+    return ["-march=native", *_capability("DEFAULT")]  # aarch64 (NEON), or plain C++
+
+
+def _capability(name: str) -> list[str]:
+    defines = [f"-DCPU_CAPABILITY={name}"]
+    return defines if name == "DEFAULT" else [*defines, f"-DCPU_CAPABILITY_{name}"]
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's x86 feature flags from /proc/cpuinfo (empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def load() -> ModuleType | None:
     """The compiled kernel module, or None where it is switched off or cannot be built."""
     if not ENABLED:
         return None
-    if "kernel" not in _loaded:
-        _loaded["kernel"] = _build()
-    return _loaded["kernel"]
+    if ISA not in _loaded:
+        _loaded[ISA] = _build(ISA)
+    return _loaded[ISA]
 
 
-def _build() -> ModuleType | None:
+def build_info() -> dict[str, object]:
+    """What the kernel runs on here: the ISA it is built for (``isa``), its float32 vector width
+    in bits, and the matrix-product path of each dtype; ``built`` False (and no more) where it
+    is switched off or could not be built. Builds the kernel if it is not built yet."""
+    module = load()
+    if module is None:
+        return {"isa": ISA, "built": False}
+    info: dict[str, object] = module.build_info()
+    return {"isa": ISA, "built": True, **info}
+
+
+def _build(isa: str) -> ModuleType | None:
     try:
+        flags = capability_flags(isa)
         import ninja  # the build tool torch's extension builder runs
         from torch.utils import cpp_extension
 
         if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
         module: ModuleType = cpp_extension.load(
-            name=f"qkv_flash_cpu_{_cpu_id()}",
-            sources=[str(_SOURCE)],
-            extra_cflags=_FLAGS,
+            name=f"qkv_flash_cpu_{isa}_{_cpu_id()}",
+            sources=[str(SOURCE)],
+            extra_cflags=[*_COMMON_FLAGS, *flags],
             extra_ldflags=["-fopenmp"],
         )
         return module
+    except ValueError:  # a QKV_FLASH_ISA that names no ISA: the user's mistake, said as such
+        raise
     except Exception as error:  # no compiler, no ninja, a failed build: the loop still works
         warnings.warn(
             f"qkv: flash's compiled CPU kernel is unavailable ({type(error).__name__}: {error}); "
