@@ -324,10 +324,28 @@ Operands arrange(const at::Tensor& k, const at::Tensor& v, int64_t key_blocks) {
   }
 }
 
+// c (M, N) = a (M, K) · b (K, N), or c += a · b (add): float32, rows with leading dims lda, ldb,
+// ldc. gemm: torch's matrix multiply (MKL or OpenBLAS, for the ISA the CPU has, one thread
+// inside the kernel's threads), on tensors that view the buffers; otherwise cpublas::brgemm
+// (oneDNN's micro-kernels from AVX2 up, torch's own gemm where there are none).
+inline void product(bool gemm, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
+                    int64_t ldc, bool add, const float* a, const float* b, float* c) {
+  if (!gemm) return at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, a, b, c, false);
+  const auto view = [](const float* x, int64_t rows, int64_t columns, int64_t ld) {
+    return at::from_blob(const_cast<float*>(x), {rows, columns}, {ld, 1}, at::kFloat);
+  };
+  at::Tensor result = view(c, M, N, ldc);
+  if (add) {
+    at::addmm_out(result, result, view(a, M, K, lda), view(b, K, N, ldb));
+  } else {
+    at::mm_out(result, view(a, M, K, lda), view(b, K, N, ldb));
+  }
+}
+
 template <typename T>
 std::vector<at::Tensor> forward_impl(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
-    int64_t offset) {
+    int64_t offset, bool gemm) {
   constexpr bool low = std::is_same_v<T, at::BFloat16>;
   using P = std::conditional_t<low, T, float>;  // the weights' type
   const int64_t NG = q.size(0), Lq = q.size(1), D = q.size(2);
@@ -378,8 +396,7 @@ std::vector<at::Tensor> forward_impl(
               rows, kn32, De, De, kKeyBlock, kScoreStride, false, q_block,
               kd + (kv * key_blocks + block) * De * kKeyBlock, s, true);
         } else {
-          at::native::cpublas::brgemm(
-              rows, kn, D, D, S, kScoreStride, false, q_block, kd + kv * D * S + k0, s, false);
+          product(gemm, rows, kn, D, D, S, kScoreStride, false, q_block, kd + kv * D * S + k0, s);
         }
         for (int64_t r = 0; r < rows; ++r) {
           // Keys of this block row r may see; the rest of its p is 0.
@@ -419,9 +436,8 @@ std::vector<at::Tensor> forward_impl(
               rows, Dv, (kn + 1) / 2 * 2, kWeightStride, Dv, Dv, true, weights.data(),
               vd + (kv * key_blocks + block) * kKeyBlock * Dv, acc.data(), true);
         } else {
-          at::native::cpublas::brgemm(
-              rows, Dv, kn, kWeightStride, Dv, Dv, true, weights.data(), vd + (kv * S + k0) * Dv,
-              acc.data(), false);
+          product(gemm, rows, Dv, kn, kWeightStride, Dv, Dv, true, weights.data(),
+                  vd + (kv * S + k0) * Dv, acc.data());
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
@@ -614,16 +630,16 @@ at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k_new, const at::T
 
 std::vector<at::Tensor> forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
-    int64_t offset) {
+    int64_t offset, bool gemm) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "need contiguous");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type());
   TORCH_CHECK(k.size(0) > 0 && q.size(0) % k.size(0) == 0, "heads must group");
   if (q.scalar_type() == at::kBFloat16) {
-    return forward_impl<at::BFloat16>(q, k, v, scale, causal, offset);
+    return forward_impl<at::BFloat16>(q, k, v, scale, causal, offset, gemm);
   }
   TORCH_CHECK(q.scalar_type() == at::kFloat, "float32 or bfloat16");
-  return forward_impl<float>(q, k, v, scale, causal, offset);
+  return forward_impl<float>(q, k, v, scale, causal, offset, gemm);
 }
 
 // Whether this CPU runs bfloat16 products in matrix units (otherwise bfloat16 goes as float32).

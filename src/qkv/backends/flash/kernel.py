@@ -47,6 +47,7 @@ DECODE_QUERIES = 16
 # The instruction set the kernel is built for: "native", "avx512" or "avx2" (see above).
 ISA = os.environ.get("QKV_FLASH_ISA", "native")
 ISAS = ("native", "avx512", "avx2")
+GEMM = os.environ.get("QKV_FLASH_GEMM", "brgemm")
 
 SOURCE = Path(__file__).with_name("flash_cpu.cpp")
 _COMMON_FLAGS = ["-O3", "-fopenmp"]
@@ -197,6 +198,7 @@ def forward(
             scale,
             causal,
             causal_offset or 0,
+            GEMM == "gemm",
         )
     hq = q.shape[-3]
     return out.view(*batch, hq, *out.shape[1:]), lse.view(*batch, hq, lse.shape[-1])
