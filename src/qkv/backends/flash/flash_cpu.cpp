@@ -129,6 +129,10 @@ inline float exp2_scalar(float x) {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = Vec::size();
+// The register tiles of the kernel's own products (product_tiles).
+constexpr int kTileVectors = 2;
+constexpr int kTileRows = kLanes >= 16 ? 12 : 6;  // 32 registers (AVX-512) or 16 (AVX2)
+constexpr int64_t kPanel = kTileVectors * kLanes;   // columns of one register tile
 
 // The same 2^x on a vector: n = floor(x), f = x − n, and p(f) · 2^n with 2^n made from its
 // exponent bits, (n + 127) · 2^23. Lanes below −127 (−inf included) are first raised to −127,
@@ -253,7 +257,9 @@ inline Exponentials exp_row(const float* s, P* p, int64_t n, float c, float m) {
 }
 
 // Keys and values in the order the products read them.
-//   float32:  kt = kᵀ per head (N, D, S); v as given.
+//   float32, own tiles: kᵀ and v in column panels of kPanel columns, zero-padded: keys
+//             (N, ⌈S / kPanel⌉, D, kPanel), values (N, ⌈Dv / kPanel⌉, S, kPanel).
+//   float32, otherwise: kt = kᵀ per head (N, D, S); v as given.
 //   bfloat16: per key block, kᵀ (D, Bk) and v (Bk, Dv) in pairs-of-rows order: element
 //             (r, c) of a (R, C) matrix at [(r / 2) · C + c] · 2 + r % 2, zero-padded to what
 //             the products read: kᵀ to a whole 32-key group, v to an even number of rows (the
@@ -263,10 +269,18 @@ struct Operands {
 };
 
 template <typename T>
-Operands arrange(const at::Tensor& k, const at::Tensor& v, int64_t key_blocks) {
+Operands arrange(const at::Tensor& k, const at::Tensor& v, int64_t key_blocks, bool panels) {
   const int64_t N = k.size(0), S = k.size(1), D = k.size(2), Dv = v.size(2);
   if constexpr (std::is_same_v<T, float>) {
-    return {k.transpose(1, 2).contiguous(), v};
+    if (!panels) return {k.transpose(1, 2).contiguous(), v};
+    const int64_t key_panels = (S + kPanel - 1) / kPanel, value_panels = (Dv + kPanel - 1) / kPanel;
+    const at::Tensor keys = at::constant_pad_nd(k, {0, 0, 0, key_panels * kPanel - S})
+                                .view({N, key_panels, kPanel, D})
+                                .permute({0, 1, 3, 2});
+    const at::Tensor values = at::constant_pad_nd(v, {0, value_panels * kPanel - Dv})
+                                  .view({N, S, value_panels, kPanel})
+                                  .permute({0, 2, 1, 3});
+    return {keys.contiguous(), values.contiguous()};
   } else {
     const int64_t De = (D + 1) / 2 * 2;
     auto keys = at::empty({N, key_blocks, De * kKeyBlock}, k.options());
@@ -324,13 +338,83 @@ Operands arrange(const at::Tensor& k, const at::Tensor& v, int64_t key_blocks) {
   }
 }
 
-// c (M, N) = a (M, K) · b (K, N), or c += a · b (add): float32, rows with leading dims lda, ldb,
-// ldc. gemm: torch's matrix multiply (MKL or OpenBLAS, for the ISA the CPU has, one thread
-// inside the kernel's threads), on tensors that view the buffers; otherwise cpublas::brgemm
-// (oneDNN's micro-kernels from AVX2 up, torch's own gemm where there are none).
-inline void product(bool gemm, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
+// c (M, N) = a (M, K) · b (K, N), or c += a · b (add), float32, rows with leading dims lda, ldb,
+// ldc, on the vector units: c is cut into register tiles of kTileRows rows × kTileVectors
+// vectors, each summed over all K in registers (kTileRows · kTileVectors accumulators, as many as
+// the ISA's registers hold besides the b vectors and the broadcast a value), then written once.
+// Column panels go outermost, so that the b panel one column strip reads (K × a tile's width)
+// stays in the L1 cache while every row tile runs over it.
+
+// One register tile: Rows rows of a, Columns = kTileVectors · kLanes columns of b, of which the
+// first `width` count (Partial: fewer than all; the last vector is read and written in part).
+template <int Rows, bool Partial>
+inline void product_tile(int64_t K, int64_t width, const float* a, int64_t lda, const float* b,
+                         int64_t ldb, float* c, int64_t ldc, bool add) {
+  const auto load = [&](const float* x, int v) {
+    return Partial && (v + 1) * kLanes > width ? Vec::loadu(x, std::max<int64_t>(0, width - v * kLanes))
+                                               : Vec::loadu(x);
+  };
+  Vec acc[Rows][kTileVectors];
+  for (int r = 0; r < Rows; ++r)
+    for (int v = 0; v < kTileVectors; ++v)
+      acc[r][v] = add ? load(c + r * ldc + v * kLanes, v) : Vec(0.f);
+  for (int64_t d = 0; d < K; ++d) {
+    Vec bv[kTileVectors];
+    for (int v = 0; v < kTileVectors; ++v) bv[v] = load(b + d * ldb + v * kLanes, v);
+    for (int r = 0; r < Rows; ++r) {
+      const Vec ar(a[r * lda + d]);
+      for (int v = 0; v < kTileVectors; ++v) acc[r][v] = at::vec::fmadd(ar, bv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int v = 0; v < kTileVectors; ++v) {
+      const int64_t left = width - v * kLanes;
+      if (!Partial || left >= kLanes) acc[r][v].store(c + r * ldc + v * kLanes);
+      else if (left > 0) acc[r][v].store(c + r * ldc + v * kLanes, left);
+    }
+}
+
+// product_tile for the rows left below the last whole row tile (fewer than kTileRows).
+template <bool Partial, int Rows = kTileRows - 1>
+inline void product_rest(int64_t rows, int64_t K, int64_t width, const float* a, int64_t lda,
+                         const float* b, int64_t ldb, float* c, int64_t ldc, bool add) {
+  if constexpr (Rows > 0) {
+    if (rows == Rows) return product_tile<Rows, Partial>(K, width, a, lda, b, ldb, c, ldc, add);
+    product_rest<Partial, Rows - 1>(rows, K, width, a, lda, b, ldb, c, ldc, add);
+  }
+}
+
+template <bool Partial>
+inline void product_panel(int64_t M, int64_t K, int64_t width, const float* a, int64_t lda,
+                          const float* b, int64_t ldb, float* c, int64_t ldc, bool add) {
+  int64_t r = 0;
+  for (; r + kTileRows <= M; r += kTileRows)
+    product_tile<kTileRows, Partial>(K, width, a + r * lda, lda, b, ldb, c + r * ldc, ldc, add);
+  if (r < M) product_rest<Partial>(M - r, K, width, a + r * lda, lda, b, ldb, c + r * ldc, ldc, add);
+}
+
+// b comes in column panels of kPanel columns (the last one zero-padded), panel i at
+// b + i · panel_stride, its rows ldb apart (arrange packs K and V so, each panel contiguous).
+inline void product_tiles(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
+                          int64_t panel_stride, int64_t ldc, bool add, const float* a,
+                          const float* b, float* c) {
+  int64_t j = 0;
+  for (; j + kPanel <= N; j += kPanel, b += panel_stride)
+    product_panel<false>(M, K, kPanel, a, lda, b, ldb, c + j, ldc, add);
+  if (j < N) product_panel<true>(M, K, N - j, a, lda, b, ldb, c + j, ldc, add);
+}
+
+// Where the kernel's float32 products run (kernel.py's GEMM): its own register tiles
+// (product_tiles, on K and V packed in panels), cpublas::brgemm (oneDNN's micro-kernels from AVX2
+// up, torch's own gemm where there are none) or torch's matrix multiply (MKL or OpenBLAS for the
+// ISA the CPU has, one thread inside the kernel's threads) on tensors that view the buffers.
+enum class Products : int64_t { kTiles = 0, kBrgemm = 1, kBlas = 2 };
+
+// product_tiles' alternatives (plain row-major b).
+inline void product(Products path, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
                     int64_t ldc, bool add, const float* a, const float* b, float* c) {
-  if (!gemm) return at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, a, b, c, false);
+  if (path == Products::kBrgemm)
+    return at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, a, b, c, false);
   const auto view = [](const float* x, int64_t rows, int64_t columns, int64_t ld) {
     return at::from_blob(const_cast<float*>(x), {rows, columns}, {ld, 1}, at::kFloat);
   };
@@ -345,7 +429,7 @@ inline void product(bool gemm, int64_t M, int64_t N, int64_t K, int64_t lda, int
 template <typename T>
 std::vector<at::Tensor> forward_impl(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
-    int64_t offset, bool gemm) {
+    int64_t offset, Products path) {
   constexpr bool low = std::is_same_v<T, at::BFloat16>;
   using P = std::conditional_t<low, T, float>;  // the weights' type
   const int64_t NG = q.size(0), Lq = q.size(1), D = q.size(2);
@@ -360,7 +444,8 @@ std::vector<at::Tensor> forward_impl(
   auto lse = at::empty({NG, Lq}, q.options().dtype(at::kFloat));
   at::Tensor q_even = q;  // bfloat16 products need an even feature count
   if (low && De != D) q_even = at::constant_pad_nd(q, {0, 1});
-  const Operands ops = arrange<T>(k, v, key_blocks);
+  const Operands ops = arrange<T>(k, v, key_blocks, path == Products::kTiles);
+  const int64_t key_panels = (S + kPanel - 1) / kPanel, value_panels = (Dv + kPanel - 1) / kPanel;
 
   const T* qd = q_even.const_data_ptr<T>();
   const T* kd = ops.keys.const_data_ptr<T>();
@@ -395,8 +480,11 @@ std::vector<at::Tensor> forward_impl(
           at::native::cpublas::brgemm(
               rows, kn32, De, De, kKeyBlock, kScoreStride, false, q_block,
               kd + (kv * key_blocks + block) * De * kKeyBlock, s, true);
+        } else if (path == Products::kTiles) {  // kᵀ's panels k0 / kPanel …
+          product_tiles(rows, kn, D, D, kPanel, D * kPanel, kScoreStride, false, q_block,
+                        kd + (kv * key_panels * kPanel + k0) * D, s);
         } else {
-          product(gemm, rows, kn, D, D, S, kScoreStride, false, q_block, kd + kv * D * S + k0, s);
+          product(path, rows, kn, D, D, S, kScoreStride, false, q_block, kd + kv * D * S + k0, s);
         }
         for (int64_t r = 0; r < rows; ++r) {
           // Keys of this block row r may see; the rest of its p is 0.
@@ -435,8 +523,11 @@ std::vector<at::Tensor> forward_impl(
           at::native::cpublas::brgemm(
               rows, Dv, (kn + 1) / 2 * 2, kWeightStride, Dv, Dv, true, weights.data(),
               vd + (kv * key_blocks + block) * kKeyBlock * Dv, acc.data(), true);
+        } else if (path == Products::kTiles) {  // rows k0 … of v's panels
+          product_tiles(rows, Dv, kn, kWeightStride, kPanel, S * kPanel, Dv, true,
+                        weights.data(), vd + (kv * value_panels * S + k0) * kPanel, acc.data());
         } else {
-          product(gemm, rows, Dv, kn, kWeightStride, Dv, Dv, true, weights.data(),
+          product(path, rows, Dv, kn, kWeightStride, Dv, Dv, true, weights.data(),
                   vd + (kv * S + k0) * Dv, acc.data());
         }
       }
@@ -630,16 +721,16 @@ at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k_new, const at::T
 
 std::vector<at::Tensor> forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
-    int64_t offset, bool gemm) {
+    int64_t offset, int64_t products) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "need contiguous");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type());
   TORCH_CHECK(k.size(0) > 0 && q.size(0) % k.size(0) == 0, "heads must group");
   if (q.scalar_type() == at::kBFloat16) {
-    return forward_impl<at::BFloat16>(q, k, v, scale, causal, offset, gemm);
+    return forward_impl<at::BFloat16>(q, k, v, scale, causal, offset, static_cast<Products>(products));
   }
   TORCH_CHECK(q.scalar_type() == at::kFloat, "float32 or bfloat16");
-  return forward_impl<float>(q, k, v, scale, causal, offset, gemm);
+  return forward_impl<float>(q, k, v, scale, causal, offset, static_cast<Products>(products));
 }
 
 // Whether this CPU runs bfloat16 products in matrix units (otherwise bfloat16 goes as float32).
@@ -653,7 +744,6 @@ pybind11::dict build_info() {
   pybind11::dict info;
   info["capability"] = QKV_EXPANDED_STRING(CPU_CAPABILITY);
   info["vector_bits"] = kLanes * 32;
-  info["float32_products"] = "cpublas::brgemm (oneDNN micro-kernel; cpublas::gemm without one)";
   info["bfloat16_products"] = bfloat16_products()
                                   ? "cpublas::brgemm in bfloat16 (matrix units), float32 sums"
                                   : "float32 products (inputs widened)";

@@ -47,7 +47,11 @@ DECODE_QUERIES = 16
 # The instruction set the kernel is built for: "native", "avx512" or "avx2" (see above).
 ISA = os.environ.get("QKV_FLASH_ISA", "native")
 ISAS = ("native", "avx512", "avx2")
-GEMM = os.environ.get("QKV_FLASH_GEMM", "brgemm")
+# Where the float32 products run: "tiles" (the kernel's own register tiles on ATen's vectors),
+# "brgemm" (torch's cpublas::brgemm: oneDNN's micro-kernels) or "blas" (torch's matrix multiply:
+# MKL or OpenBLAS); "auto" picks per build (_default_products).
+GEMM = os.environ.get("QKV_FLASH_GEMM", "auto")
+PRODUCTS = ("tiles", "brgemm", "blas")
 
 SOURCE = Path(__file__).with_name("flash_cpu.cpp")
 _COMMON_FLAGS = ["-O3", "-fopenmp"]
@@ -57,6 +61,7 @@ _AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2"
 _AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 _loaded: dict[str, ModuleType | None] = {}
+_chosen: dict[str, str] = {}
 
 
 def capability_flags(isa: str) -> list[str]:
@@ -110,7 +115,30 @@ def build_info() -> dict[str, object]:
     if module is None:
         return {"isa": ISA, "built": False}
     info: dict[str, object] = module.build_info()
-    return {"isa": ISA, "built": True, **info}
+    return {"isa": ISA, "built": True, "float32_products": products(), **info}
+
+
+def products() -> str:
+    """Where the float32 products run in this build: ``GEMM``, or for "auto" oneDNN's brgemm in
+    a build with 512-bit vectors (its AVX-512 micro-kernels beat the kernel's own tiles there)
+    and the kernel's own register tiles in every other build (on AVX2, oneDNN's brgemm and
+    torch's BLAS both ran at about torch's own attention speed, the tiles at 1.1-1.6x of it)."""
+    if GEMM == "auto":
+        module = load()
+        wide = module is not None and module.build_info()["vector_bits"] >= 512
+        return "brgemm" if wide else "tiles"
+    if GEMM not in PRODUCTS:
+        raise ValueError(
+            f"QKV_FLASH_GEMM: expected one of auto, {', '.join(PRODUCTS)}, got {GEMM!r}"
+        )
+    return GEMM
+
+
+def _products() -> str:  # products(), worked out once per ISA and GEMM
+    key = f"{ISA}/{GEMM}"
+    if key not in _chosen:
+        _chosen[key] = products()
+    return _chosen[key]
 
 
 def _build(isa: str) -> ModuleType | None:
@@ -198,7 +226,7 @@ def forward(
             scale,
             causal,
             causal_offset or 0,
-            GEMM == "gemm",
+            PRODUCTS.index(_products()),
         )
     hq = q.shape[-3]
     return out.view(*batch, hq, *out.shape[1:]), lse.view(*batch, hq, lse.shape[-1])
