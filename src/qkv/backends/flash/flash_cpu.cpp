@@ -273,14 +273,37 @@ Operands arrange(const at::Tensor& k, const at::Tensor& v, int64_t key_blocks, b
   const int64_t N = k.size(0), S = k.size(1), D = k.size(2), Dv = v.size(2);
   if constexpr (std::is_same_v<T, float>) {
     if (!panels) return {k.transpose(1, 2).contiguous(), v};
+    // Both in one pass over threads (each pass wakes them all, which costs short calls most):
+    // units z < N · key_panels are key panels, the rest value panels.
     const int64_t key_panels = (S + kPanel - 1) / kPanel, value_panels = (Dv + kPanel - 1) / kPanel;
-    const at::Tensor keys = at::constant_pad_nd(k, {0, 0, 0, key_panels * kPanel - S})
-                                .view({N, key_panels, kPanel, D})
-                                .permute({0, 1, 3, 2});
-    const at::Tensor values = at::constant_pad_nd(v, {0, value_panels * kPanel - Dv})
-                                  .view({N, S, value_panels, kPanel})
-                                  .permute({0, 2, 1, 3});
-    return {keys.contiguous(), values.contiguous()};
+    auto keys = at::empty({N, key_panels, D, kPanel}, k.options());
+    auto values = at::empty({N, value_panels, S, kPanel}, v.options());
+    const float* kd = k.const_data_ptr<float>();
+    const float* vd = v.const_data_ptr<float>();
+    float* kp = keys.data_ptr<float>();
+    float* vp = values.data_ptr<float>();
+    at::parallel_for(0, N * (key_panels + value_panels), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t z = begin; z < end; ++z) {
+        if (z < N * key_panels) {  // kᵀ's columns j0 … j0 + kPanel − 1: (D, kPanel)
+          const int64_t h = z / key_panels, j0 = (z % key_panels) * kPanel;
+          float* to = kp + z * D * kPanel;
+          for (int64_t c = 0; c < kPanel; ++c) {
+            const float* from = kd + (h * S + j0 + c) * D;
+            for (int64_t d = 0; d < D; ++d) to[d * kPanel + c] = j0 + c < S ? from[d] : 0.f;
+          }
+        } else {  // v's columns e0 … e0 + kPanel − 1: (S, kPanel)
+          const int64_t u = z - N * key_panels, h = u / value_panels;
+          const int64_t e0 = (u % value_panels) * kPanel, width = std::min(kPanel, Dv - e0);
+          float* to = vp + u * S * kPanel;
+          for (int64_t s = 0; s < S; ++s) {
+            const float* from = vd + (h * S + s) * Dv + e0;
+            std::copy(from, from + width, to + s * kPanel);
+            std::fill(to + s * kPanel + width, to + (s + 1) * kPanel, 0.f);
+          }
+        }
+      }
+    });
+    return {keys, values};
   } else {
     const int64_t De = (D + 1) / 2 * 2;
     auto keys = at::empty({N, key_blocks, De * kKeyBlock}, k.options());
