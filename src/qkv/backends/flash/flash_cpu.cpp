@@ -36,9 +36,10 @@
 // Matrix products go through at::native::cpublas::brgemm, torch's small-matrix kernel (oneDNN
 // micro-kernels for the ISA the CPU has from AVX2 up; torch's cpublas::gemm below that). float32
 // products use the vector units; bfloat16 products use the CPU's bfloat16 matrix units (AMX)
-// with float32 sums, which need each key block in pairs-of-rows ("VNNI") order, built once per
-// call. Where the CPU has no such units, bfloat16 inputs are widened to float32 by the caller
-// and take the float32 path (bfloat16_products()). Scores, softmax and accumulation are float32
+// or its AVX-512 bfloat16 dot products, with float32 sums, which need each key block in
+// pairs-of-rows ("VNNI") order, built once per call. Where the CPU has neither, bfloat16 inputs
+// are widened to float32 by the caller and take the float32 path (kernel.py's
+// bfloat16_products()). Scores, softmax and accumulation are float32
 // in every case; the weights that are rounded to bfloat16 for the product come from a cheaper
 // 2^x (within 7.5e-5 relative).
 //
@@ -756,20 +757,17 @@ std::vector<at::Tensor> forward(
   return forward_impl<float>(q, k, v, scale, causal, offset, static_cast<Products>(products));
 }
 
-// Whether this CPU runs bfloat16 products in matrix units (otherwise bfloat16 goes as float32).
-bool bfloat16_products() { return at::native::cpublas::could_pack(at::kBFloat16); }
+// Whether oneDNN runs bfloat16 products on this CPU's matrix units (AMX).
+bool bfloat16_matrix_units() { return at::native::cpublas::could_pack(at::kBFloat16); }
 
 #define QKV_STRING(x) #x
 #define QKV_EXPANDED_STRING(x) QKV_STRING(x)
 
-// What this build runs: ATen's vector capability and width, and each dtype's product path.
+// What this build runs: ATen's vector capability and width.
 pybind11::dict build_info() {
   pybind11::dict info;
   info["capability"] = QKV_EXPANDED_STRING(CPU_CAPABILITY);
   info["vector_bits"] = kLanes * 32;
-  info["bfloat16_products"] = bfloat16_products()
-                                  ? "cpublas::brgemm in bfloat16 (matrix units), float32 sums"
-                                  : "float32 products (inputs widened)";
   return info;
 }
 
@@ -779,6 +777,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("forward", &forward, "flash forward: (out, lse)");
   module.def("decode", &decode, "flash forward for a few queries, k and v strided: (out, lse)");
   module.def("decode_step", &decode_step, "write new keys/values into a KV cache's buffers, attend");
-  module.def("bfloat16_products", &bfloat16_products);
-  module.def("build_info", &build_info, "capability, vector width, product paths");
+  module.def("bfloat16_matrix_units", &bfloat16_matrix_units);
+  module.def("build_info", &build_info, "capability, vector width");
 }
