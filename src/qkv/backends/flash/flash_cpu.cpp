@@ -419,13 +419,35 @@ inline void product_panel(int64_t M, int64_t K, int64_t width, const float* a, i
 
 // b comes in column panels of kPanel columns (the last one zero-padded), panel i at
 // b + i · panel_stride, its rows ldb apart (arrange packs K and V so, each panel contiguous).
+// The sum over K goes kDepth rows of b at a time, so that the part of b one pass reads stays in
+// the L1 cache (in p · v, K is up to 512 keys: the products waited on the L2 cache). Where that
+// part is small (p · v: kDepth × Dv values), each row tile runs over all of it before the next
+// starts, so that its rows of a are read once; otherwise (q · kᵀ: D × 512) each panel meets
+// all row tiles before the next panel is read.
+constexpr int64_t kDepth = 128;
+constexpr int64_t kL1Floats = 8192;  // 32 KiB: most of an L1 data cache
+
 inline void product_tiles(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
                           int64_t panel_stride, int64_t ldc, bool add, const float* a,
                           const float* b, float* c) {
-  int64_t j = 0;
-  for (; j + kPanel <= N; j += kPanel, b += panel_stride)
-    product_panel<false>(M, K, kPanel, a, lda, b, ldb, c + j, ldc, add);
-  if (j < N) product_panel<true>(M, K, N - j, a, lda, b, ldb, c + j, ldc, add);
+  for (int64_t d0 = 0; d0 < K; d0 += kDepth) {
+    const int64_t depth = std::min(kDepth, K - d0);
+    const bool sum = add || d0 > 0;
+    // Rows of a (from a_rows) times every panel of this part of b, into c_rows.
+    const auto panels = [&](int64_t rows, const float* a_rows, float* c_rows) {
+      const float* panel = b + d0 * ldb;
+      int64_t j = 0;
+      for (; j + kPanel <= N; j += kPanel, panel += panel_stride)
+        product_panel<false>(rows, depth, kPanel, a_rows, lda, panel, ldb, c_rows + j, ldc, sum);
+      if (j < N) product_panel<true>(rows, depth, N - j, a_rows, lda, panel, ldb, c_rows + j, ldc, sum);
+    };
+    if (N * depth > kL1Floats) {
+      panels(M, a + d0, c);
+      continue;
+    }
+    for (int64_t r = 0; r < M; r += kTileRows)
+      panels(std::min<int64_t>(kTileRows, M - r), a + r * lda + d0, c + r * ldc);
+  }
 }
 
 // Where the kernel's float32 products run (kernel.py's GEMM): its own register tiles
