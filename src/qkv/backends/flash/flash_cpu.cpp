@@ -4,12 +4,12 @@
 //
 // For each query block (Bq rows of one query head) and each key block (Bk keys) it may see:
 //
-//     s      = q_block · k_blockᵀ                          (Bq, Bk) float32, one brgemm call
+//     s      = q_block · k_blockᵀ                          (Bq, Bk) float32, one product
 //     m_new  = max(m, max_j s_j · c)                        c = scale · log2(e): base-2 units
 //     alpha  = 2^(m − m_new)                                rescales the old terms
 //     p      = 2^(s · c − m_new)                            float32; bfloat16 for the product
 //     l      = alpha · l + Σ_j p_j
-//     acc    = alpha · acc + p · v_block                    (Bq, Dv) float32, one brgemm call
+//     acc    = alpha · acc + p · v_block                    (Bq, Dv) float32, one product
 //
 // and at the end out = acc / l, lse = (m + log2 l) · ln 2. A row with no key keeps l = 0: out 0,
 // lse −inf. Causal key blocks past the block's last diagonal are skipped; in a block the diagonal
@@ -33,15 +33,15 @@
 // compiles to AVX-512 (16 lanes), AVX2 (8 lanes), NEON (4 lanes) or plain C++, as the build's
 // CPU_CAPABILITY says (kernel.py).
 //
-// Matrix products go through at::native::cpublas::brgemm, torch's small-matrix kernel (oneDNN
-// micro-kernels for the ISA the CPU has from AVX2 up; torch's cpublas::gemm below that). float32
-// products use the vector units; bfloat16 products use the CPU's bfloat16 matrix units (AMX)
-// or its AVX-512 bfloat16 dot products, with float32 sums, which need each key block in
+// float32 matrix products run on the kernel's own register tiles (product_tiles, on K and V
+// packed in panels), or on at::native::cpublas::brgemm, torch's small-matrix kernel (oneDNN's
+// micro-kernels), which kernel.py picks for builds with 512-bit vectors, or torch's BLAS (see
+// Products). bfloat16 products go through cpublas::brgemm on the CPU's bfloat16 matrix units
+// (AMX) or its AVX-512 bfloat16 dot products, with float32 sums, and need each key block in
 // pairs-of-rows ("VNNI") order, built once per call. Where the CPU has neither, bfloat16 inputs
 // are widened to float32 by the caller and take the float32 path (kernel.py's
-// bfloat16_products()). Scores, softmax and accumulation are float32
-// in every case; the weights that are rounded to bfloat16 for the product come from a cheaper
-// 2^x (within 7.5e-5 relative).
+// bfloat16_products()). Scores, softmax and accumulation are float32 in every case; the weights
+// that are rounded to bfloat16 for the product come from a cheaper 2^x (within 7.5e-5 relative).
 //
 // Inputs: q (NG, Lq, D), k (N, S, D), v (N, S, Dv), contiguous, all float32 or all bfloat16;
 // query head i uses key/value head i / (NG / N) (grouped-query heads, K/V never repeated).
