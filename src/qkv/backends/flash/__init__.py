@@ -20,7 +20,7 @@ import torch
 
 from qkv.backends.base import CacheWrite, Call
 from qkv.backends.flash import kernel, loop
-from qkv.backends.flash.loop import KEY_TILE, QUERY_TILE, backward
+from qkv.backends.flash.loop import KEY_TILE, QUERY_TILE
 
 __all__ = [
     "KEY_TILE",
@@ -49,6 +49,30 @@ def forward(
     if compiled is not None:  # (the kernel's outputs are never part of a graph)
         return compiled
     return loop.forward(q, k, v, scale=scale, causal_offset=causal_offset, mask=mask)
+
+
+def backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    scale: float,
+    causal_offset: int | None = None,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``loop.backward`` (same arguments and results: dq, dk, dv in the compute dtype), on the
+    compiled kernel where it takes the call (no mask, CPU, float32/float16/bfloat16, one batch
+    shape)."""
+    if mask is None:
+        compiled = kernel.backward(q, k, v, out, grad_out, lse, scale, causal_offset)
+        if compiled is not None:
+            return compiled
+    return loop.backward(
+        q, k, v, out, grad_out, lse, scale=scale, causal_offset=causal_offset, mask=mask
+    )
 
 
 def runs_compiled(call: Call) -> bool:

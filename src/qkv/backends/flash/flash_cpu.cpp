@@ -257,6 +257,22 @@ inline Exponentials exp_row(const float* s, P* p, int64_t n, float c, float m) {
   return {sum_lanes(sums), at::vec::vec_reduce_all<float>(larger, tops)};
 }
 
+// One row of a backward tile, in place: p_j = 2^(s_j · c − top) (the weights, from the row's
+// base-2 log-sum-exp top) and ds_j = p_j (dp_j − delta) for the keys the row may see (j < seen),
+// both 0 for the rest of the block's n keys.
+inline void tile_gradients(float* p, float* ds, int64_t seen, int64_t n, float c, float top,
+                           float delta) {
+  const Vec vc(c), vtop(top), vdelta(delta);
+  for (int64_t j = 0; j < seen; j += kLanes) {
+    const int64_t count = std::min(kLanes, seen - j);
+    const Vec weight = exp2_vec(at::vec::fmsub(Vec::loadu(p + j, count), vc, vtop), kExp2Degree5);
+    weight.store(p + j, count);
+    (weight * (Vec::loadu(ds + j, count) - vdelta)).store(ds + j, count);
+  }
+  std::fill(p + seen, p + n, 0.f);
+  std::fill(ds + seen, ds + n, 0.f);
+}
+
 // Keys and values in the order the products read them.
 //   float32, own tiles: kᵀ and v in column panels of kPanel columns, zero-padded: keys
 //             (N, ⌈S / kPanel⌉, D, kPanel), values (N, ⌈Dv / kPanel⌉, S, kPanel).
@@ -372,8 +388,8 @@ Operands arrange(const at::Tensor& k, const at::Tensor& v, int64_t key_blocks, b
 // One register tile: Rows rows of a, Columns = kTileVectors · kLanes columns of b, of which the
 // first `width` count (Partial: fewer than all; the last vector is read and written in part).
 template <int Rows, bool Partial>
-inline void product_tile(int64_t K, int64_t width, const float* a, int64_t lda, const float* b,
-                         int64_t ldb, float* c, int64_t ldc, bool add) {
+inline void product_tile(int64_t K, int64_t width, const float* a, int64_t lda, int64_t step,
+                         const float* b, int64_t ldb, float* c, int64_t ldc, bool add) {
   const auto load = [&](const float* x, int v) {
     return Partial && (v + 1) * kLanes > width ? Vec::loadu(x, std::max<int64_t>(0, width - v * kLanes))
                                                : Vec::loadu(x);
@@ -386,7 +402,7 @@ inline void product_tile(int64_t K, int64_t width, const float* a, int64_t lda, 
     Vec bv[kTileVectors];
     for (int v = 0; v < kTileVectors; ++v) bv[v] = load(b + d * ldb + v * kLanes, v);
     for (int r = 0; r < Rows; ++r) {
-      const Vec ar(a[r * lda + d]);
+      const Vec ar(a[r * lda + d * step]);
       for (int v = 0; v < kTileVectors; ++v) acc[r][v] = at::vec::fmadd(ar, bv[v], acc[r][v]);
     }
   }
@@ -401,24 +417,31 @@ inline void product_tile(int64_t K, int64_t width, const float* a, int64_t lda, 
 // product_tile for the rows left below the last whole row tile (fewer than kTileRows).
 template <bool Partial, int Rows = kTileRows - 1>
 inline void product_rest(int64_t rows, int64_t K, int64_t width, const float* a, int64_t lda,
-                         const float* b, int64_t ldb, float* c, int64_t ldc, bool add) {
+                         int64_t step, const float* b, int64_t ldb, float* c, int64_t ldc,
+                         bool add) {
   if constexpr (Rows > 0) {
-    if (rows == Rows) return product_tile<Rows, Partial>(K, width, a, lda, b, ldb, c, ldc, add);
-    product_rest<Partial, Rows - 1>(rows, K, width, a, lda, b, ldb, c, ldc, add);
+    if (rows == Rows)
+      return product_tile<Rows, Partial>(K, width, a, lda, step, b, ldb, c, ldc, add);
+    product_rest<Partial, Rows - 1>(rows, K, width, a, lda, step, b, ldb, c, ldc, add);
   }
 }
 
 template <bool Partial>
 inline void product_panel(int64_t M, int64_t K, int64_t width, const float* a, int64_t lda,
-                          const float* b, int64_t ldb, float* c, int64_t ldc, bool add) {
+                          int64_t step, const float* b, int64_t ldb, float* c, int64_t ldc,
+                          bool add) {
   int64_t r = 0;
   for (; r + kTileRows <= M; r += kTileRows)
-    product_tile<kTileRows, Partial>(K, width, a + r * lda, lda, b, ldb, c + r * ldc, ldc, add);
-  if (r < M) product_rest<Partial>(M - r, K, width, a + r * lda, lda, b, ldb, c + r * ldc, ldc, add);
+    product_tile<kTileRows, Partial>(K, width, a + r * lda, lda, step, b, ldb, c + r * ldc, ldc,
+                                     add);
+  if (r < M)
+    product_rest<Partial>(M - r, K, width, a + r * lda, lda, step, b, ldb, c + r * ldc, ldc, add);
 }
 
-// b comes in column panels of kPanel columns (the last one zero-padded), panel i at
-// b + i · panel_stride, its rows ldb apart (arrange packs K and V so, each panel contiguous).
+// a's element (r, d) is at a[r · lda + d · step] (step 1: row-major; lda 1: a transposed).
+// b comes in column panels of kPanel columns, panel i at b + i · panel_stride, its rows ldb apart
+// (arrange packs K and V so, each panel contiguous and the last one zero-padded; a row-major
+// matrix is such panels with panel_stride kPanel).
 // The sum over K goes kDepth rows of b at a time, so that the part of b one pass reads stays in
 // the L1 cache (in p · v, K is up to 512 keys: the products waited on the L2 cache). Where that
 // part is small (p · v: kDepth × Dv values), each row tile runs over all of it before the next
@@ -427,9 +450,9 @@ inline void product_panel(int64_t M, int64_t K, int64_t width, const float* a, i
 constexpr int64_t kDepth = 128;
 constexpr int64_t kL1Floats = 8192;  // 32 KiB: most of an L1 data cache
 
-inline void product_tiles(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
-                          int64_t panel_stride, int64_t ldc, bool add, const float* a,
-                          const float* b, float* c) {
+inline void product_tiles(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
+                          int64_t step, const float* b, int64_t ldb, int64_t panel_stride,
+                          float* c, int64_t ldc, bool add) {
   for (int64_t d0 = 0; d0 < K; d0 += kDepth) {
     const int64_t depth = std::min(kDepth, K - d0);
     const bool sum = add || d0 > 0;
@@ -438,15 +461,18 @@ inline void product_tiles(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t 
       const float* panel = b + d0 * ldb;
       int64_t j = 0;
       for (; j + kPanel <= N; j += kPanel, panel += panel_stride)
-        product_panel<false>(rows, depth, kPanel, a_rows, lda, panel, ldb, c_rows + j, ldc, sum);
-      if (j < N) product_panel<true>(rows, depth, N - j, a_rows, lda, panel, ldb, c_rows + j, ldc, sum);
+        product_panel<false>(rows, depth, kPanel, a_rows, lda, step, panel, ldb, c_rows + j, ldc,
+                             sum);
+      if (j < N)
+        product_panel<true>(rows, depth, N - j, a_rows, lda, step, panel, ldb, c_rows + j, ldc,
+                            sum);
     };
     if (N * depth > kL1Floats) {
-      panels(M, a + d0, c);
+      panels(M, a + d0 * step, c);
       continue;
     }
     for (int64_t r = 0; r < M; r += kTileRows)
-      panels(std::min<int64_t>(kTileRows, M - r), a + r * lda + d0, c + r * ldc);
+      panels(std::min<int64_t>(kTileRows, M - r), a + r * lda + d0 * step, c + r * ldc);
   }
 }
 
@@ -527,8 +553,8 @@ std::vector<at::Tensor> forward_impl(
               rows, kn32, De, De, kKeyBlock, kScoreStride, false, q_block,
               kd + (kv * key_blocks + block) * De * kKeyBlock, s, true);
         } else if (path == Products::kTiles) {  // kᵀ's panels k0 / kPanel …
-          product_tiles(rows, kn, D, D, kPanel, D * kPanel, kScoreStride, false, q_block,
-                        kd + (kv * key_panels * kPanel + k0) * D, s);
+          product_tiles(rows, kn, D, q_block, D, 1, kd + (kv * key_panels * kPanel + k0) * D,
+                        kPanel, D * kPanel, s, kScoreStride, false);
         } else {
           product(path, rows, kn, D, D, S, kScoreStride, false, q_block, kd + kv * D * S + k0, s);
         }
@@ -570,8 +596,9 @@ std::vector<at::Tensor> forward_impl(
               rows, Dv, (kn + 1) / 2 * 2, kWeightStride, Dv, Dv, true, weights.data(),
               vd + (kv * key_blocks + block) * kKeyBlock * Dv, acc.data(), true);
         } else if (path == Products::kTiles) {  // rows k0 … of v's panels
-          product_tiles(rows, Dv, kn, kWeightStride, kPanel, S * kPanel, Dv, true,
-                        weights.data(), vd + (kv * value_panels * S + k0) * kPanel, acc.data());
+          product_tiles(rows, Dv, kn, weights.data(), kWeightStride, 1,
+                        vd + (kv * value_panels * S + k0) * kPanel, kPanel, S * kPanel, acc.data(),
+                        Dv, true);
         } else {
           product(path, rows, Dv, kn, kWeightStride, Dv, Dv, true, weights.data(),
                   vd + (kv * S + k0) * Dv, acc.data());
@@ -779,6 +806,112 @@ std::vector<at::Tensor> forward(
   return forward_impl<float>(q, k, v, scale, causal, offset, static_cast<Products>(products));
 }
 
+// x (N, S, D) float32 as xᵀ in column panels, zero-padded: (N, ⌈S / kPanel⌉, D, kPanel), the
+// layout product_tiles reads kᵀ from (as arrange packs it for the forward pass).
+at::Tensor transposed_panels(const at::Tensor& x) {
+  const int64_t N = x.size(0), S = x.size(1), D = x.size(2), panels = (S + kPanel - 1) / kPanel;
+  auto packed = at::empty({N, panels, D, kPanel}, x.options());
+  const float* from = x.const_data_ptr<float>();
+  float* to = packed.data_ptr<float>();
+  at::parallel_for(0, N * panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t z = begin; z < end; ++z) {
+      const int64_t h = z / panels, j0 = (z % panels) * kPanel;
+      for (int64_t c = 0; c < kPanel; ++c) {
+        const float* row = from + (h * S + j0 + c) * D;
+        for (int64_t d = 0; d < D; ++d) to[(z * D + d) * kPanel + c] = j0 + c < S ? row[d] : 0.f;
+      }
+    }
+  });
+  return packed;
+}
+
+// The backward pass of the forward above (float32; the caller widens other dtypes), for the
+// keys given: with P = exp(s · scale − lse) recomputed per tile from the saved lse (the final
+// one, over all keys), dP = dO · Vᵀ, delta = Σ_e dO · O (per row) and dS = P ∘ (dP − delta):
+//
+//     dV += Pᵀ · dO        dK += scale · dSᵀ · Q        dQ += scale · dS · K
+//
+// Deterministic, without atomics: each task owns one key/value head (and its query heads) and
+// a contiguous share of its query blocks, and sums into its own dK and dV, in a fixed order;
+// where there are fewer heads than threads, a head's query blocks are split into parts whose
+// dK and dV are added up in order at the end. Rows with lse = −inf (no key) get P = 0.
+std::vector<at::Tensor> backward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& dout, const at::Tensor& lse, double scale, bool causal, int64_t offset) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+              v.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
+              dout.scalar_type() == at::kFloat && lse.scalar_type() == at::kFloat, "float32");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() &&
+              dout.is_contiguous() && lse.is_contiguous(), "need contiguous");
+  TORCH_CHECK(k.size(0) > 0 && q.size(0) % k.size(0) == 0, "heads must group");
+  const int64_t NG = q.size(0), Lq = q.size(1), D = q.size(2);
+  const int64_t N = k.size(0), S = k.size(1), Dv = v.size(2), g = NG / N;
+  const int64_t query_blocks = (Lq + kQueryBlock - 1) / kQueryBlock;
+  const float c = static_cast<float>(scale) * kLog2E;
+  const at::Tensor delta = (dout * out).sum(-1).contiguous();  // (NG, Lq)
+  // In base 2, as the scores; +inf where there is no key, so that 2^(s · c − lse) = 0.
+  const at::Tensor lse2 = at::where(lse == kNegInf, -kNegInf, lse * kLog2E).contiguous();
+  const at::Tensor keys = transposed_panels(k), values = transposed_panels(v);
+  const int64_t key_panels = keys.size(1);
+  // Parts per head: enough tasks for every thread, never more parts than query blocks.
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = std::clamp<int64_t>((threads + N - 1) / N, 1, std::max<int64_t>(1, query_blocks));
+  auto dq = at::empty({NG, Lq, D}, q.options());
+  auto dk_parts = at::zeros({parts, N, S, D}, k.options());
+  auto dv_parts = at::zeros({parts, N, S, Dv}, v.options());
+  const float *qd = q.const_data_ptr<float>(), *kd = k.const_data_ptr<float>();
+  const float *od = dout.const_data_ptr<float>(), *ld = lse2.const_data_ptr<float>();
+  const float *dd = delta.const_data_ptr<float>(), *kp = keys.const_data_ptr<float>();
+  const float* vp = values.const_data_ptr<float>();
+  float *dqd = dq.data_ptr<float>(), *dkd = dk_parts.data_ptr<float>();
+  float* dvd = dv_parts.data_ptr<float>();
+  at::parallel_for(0, N * parts, 1, [&](int64_t begin, int64_t end) {
+    Scratch<float> weights(kQueryBlock * kScoreStride), grads(kQueryBlock * kScoreStride);
+    Scratch<float> dq_block(kQueryBlock * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kv = task / parts, part = task % parts;
+      const int64_t first = query_blocks * part / parts, last = query_blocks * (part + 1) / parts;
+      float* dk_head = dkd + (part * N + kv) * S * D;
+      float* dv_head = dvd + (part * N + kv) * S * Dv;
+      for (int64_t head = kv * g; head < (kv + 1) * g; ++head) {
+        for (int64_t i = first; i < last; ++i) {
+          const int64_t q0 = i * kQueryBlock, rows = std::min(kQueryBlock, Lq - q0);
+          const float* q_block = qd + (head * Lq + q0) * D;
+          const float* dout_block = od + (head * Lq + q0) * Dv;
+          const int64_t keys_end = causal ? std::clamp<int64_t>(q0 + rows + offset, 0, S) : S;
+          std::fill(dq_block.begin(), dq_block.end(), 0.f);
+          for (int64_t k0 = 0; k0 < keys_end; k0 += kKeyBlock) {
+            const int64_t kn = std::min(kKeyBlock, keys_end - k0);
+            float *p = weights.data(), *ds = grads.data();
+            product_tiles(rows, kn, D, q_block, D, 1, kp + (kv * key_panels * kPanel + k0) * D,
+                          kPanel, D * kPanel, p, kScoreStride, false);  // s = q · kᵀ
+            product_tiles(rows, kn, Dv, dout_block, Dv, 1,
+                          vp + (kv * key_panels * kPanel + k0) * Dv, kPanel, Dv * kPanel, ds,
+                          kScoreStride, false);  // dP = dO · vᵀ
+            for (int64_t r = 0; r < rows; ++r) {
+              const int64_t seen = causal ? std::clamp<int64_t>(q0 + r + offset + 1 - k0, 0, kn) : kn;
+              const float top = ld[head * Lq + q0 + r], row_delta = dd[head * Lq + q0 + r];
+              tile_gradients(p + r * kScoreStride, ds + r * kScoreStride, seen, kn, c, top, row_delta);
+            }
+            product_tiles(kn, Dv, rows, p, 1, kScoreStride, dout_block, Dv, kPanel,
+                          dv_head + k0 * Dv, Dv, true);  // dV += Pᵀ · dO
+            product_tiles(kn, D, rows, ds, 1, kScoreStride, q_block, D, kPanel, dk_head + k0 * D,
+                          D, true);  // dK += dSᵀ · q (scaled at the end)
+            product_tiles(rows, D, kn, ds, kScoreStride, 1, kd + (kv * S + k0) * D, D, kPanel,
+                          dq_block.data(), D, true);  // dQ += dS · k
+          }
+          float* dq_rows = dqd + (head * Lq + q0) * D;
+          for (int64_t e = 0; e < rows * D; ++e) dq_rows[e] = dq_block[e] * static_cast<float>(scale);
+        }
+      }
+    }
+  });
+  at::Tensor dk = parts == 1 ? dk_parts[0] : dk_parts.sum(0);  // parts added up in order
+  at::Tensor dv = parts == 1 ? dv_parts[0] : dv_parts.sum(0);
+  return {dq, dk.mul_(scale), dv};
+}
+
 // Whether oneDNN runs bfloat16 products on this CPU's matrix units (AMX).
 bool bfloat16_matrix_units() { return at::native::cpublas::could_pack(at::kBFloat16); }
 
@@ -799,6 +932,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("forward", &forward, "flash forward: (out, lse)");
   module.def("decode", &decode, "flash forward for a few queries, k and v strided: (out, lse)");
   module.def("decode_step", &decode_step, "write new keys/values into a KV cache's buffers, attend");
+  module.def("backward", &backward, "flash backward: (dq, dk, dv), float32");
   module.def("bfloat16_matrix_units", &bfloat16_matrix_units);
   module.def("build_info", &build_info, "capability, vector width");
 }

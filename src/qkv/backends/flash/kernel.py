@@ -256,6 +256,40 @@ def forward(
     return out.view(*batch, hq, *out.shape[1:]), lse.view(*batch, hq, lse.shape[-1])
 
 
+def backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    causal_offset: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``loop.backward`` (without a mask) on the compiled kernel: (dq, dk, dv) in float32 with
+    the shapes of q, k and v, or None where it does not apply: ``takes``, and q, k and v of one
+    batch shape (dk and dv then need no sum over broadcast batch dims)."""
+    if not (takes(q, k, v) and q.dim() >= 3 and q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
+        return None
+    kernel = load()
+    assert kernel is not None  # built by takes
+    f32 = torch.float32
+    q_flat, k_flat, v_flat, _ = flat_heads(q, k, v, f32)
+    rows = q_flat.flatten(0, 1).shape  # (N·g, Lq, Dk)
+    dq, dk, dv = kernel.backward(
+        q_flat.reshape(rows).contiguous(),
+        k_flat.contiguous(),
+        v_flat.contiguous(),
+        out.to(f32).reshape(*rows[:2], -1).contiguous(),
+        grad_out.to(f32).reshape(*rows[:2], -1).contiguous(),
+        lse.to(f32).reshape(rows[:2]).contiguous(),
+        scale,
+        causal_offset is not None,
+        causal_offset or 0,
+    )
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+
+
 def decode_step_takes(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> bool:
     """Whether ``decode_step`` runs these inputs: few enough queries for the decoding path, one
     batch shape, not float16 (which that path takes only widened), and what ``takes`` asks."""
