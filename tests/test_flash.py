@@ -716,7 +716,7 @@ def test_kernel_gives_the_same_bits_on_one_and_two_threads(
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
 
 
-def test_kernel_forward_feeds_the_loop_backward(kernel: object) -> None:
+def test_kernel_forward_feeds_the_backward(kernel: object) -> None:
     q, k, v = (randn(1, 2, 64, 16, dtype=torch.float32).requires_grad_() for _ in range(3))
     out = qkv.attention(q, k, v, causal=True, backend="flash")
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))

@@ -15,12 +15,15 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from oracle import TOLERANCE, oracle
 
+import qkv
 from qkv.backends.flash import kernel
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -35,19 +38,23 @@ CASES = [
     ("decoding", (1, 4, 3, 64), (1, 2, 530, 64), (1, 2, 530, 64), True),
 ]
 
-# Runs in a fresh process built for QKV_FLASH_ISA: every case through qkv.attention on the
-# kernel (never the PyTorch loop), the outputs saved beside the inputs.
+# Runs in a fresh process built for QKV_FLASH_ISA: every case forward and backward through
+# qkv.attention on the kernel (never the PyTorch loop), the results saved beside the inputs.
 _RUN_CASES = """
 import sys, torch, qkv
 from qkv.backends.flash import kernel
 path = sys.argv[1]
 saved = torch.load(path)
 info = kernel.build_info()
-outputs = []
-for (q, k, v), causal in zip(saved["inputs"], saved["causal"]):
+compiled, calls, results = kernel.backward, [], []
+kernel.backward = lambda *a: calls.append(1) or compiled(*a)
+for (q, k, v, grad_out), causal in zip(saved["inputs"], saved["causal"]):
     assert kernel.takes(q, k, v), "the kernel does not take this call"
-    outputs.append(qkv.attention(q, k, v, causal=causal, backend="flash"))
-torch.save({"info": info, "outputs": outputs}, path)
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    out = qkv.attention(*leaves, causal=causal, backend="flash")
+    results.append((out.detach(), *torch.autograd.grad(out, leaves, grad_out)))
+assert len(calls) == len(results), "a backward pass did not run on the kernel"
+torch.save({"info": info, "results": results}, path)
 """
 
 
@@ -91,11 +98,14 @@ def _can_build() -> bool:
     reason="needs an x86 CPU with AVX2, a C++ compiler and the kernel switched on",
 )
 def test_the_avx2_build_matches_float64(tmp_path: Path) -> None:
-    """float32 and bfloat16, full, causal, grouped and decoding calls on the AVX2 build."""
+    """float32 and bfloat16, full, causal, grouped and decoding calls on the AVX2 build, their
+    outputs and gradients."""
     inputs, causal = [], []
     for dtype in (torch.float32, torch.bfloat16):
         for _, q_shape, k_shape, v_shape, rule in CASES:
-            inputs.append(tuple(torch.randn(s).to(dtype) for s in (q_shape, k_shape, v_shape)))
+            out_shape = (*q_shape[:-1], v_shape[-1])
+            shapes = (q_shape, k_shape, v_shape, out_shape)
+            inputs.append(tuple(torch.randn(s).to(dtype) for s in shapes))
             causal.append(rule)
     path = tmp_path / "cases.pt"
     torch.save({"inputs": inputs, "causal": causal}, path)
@@ -110,11 +120,69 @@ def test_the_avx2_build_matches_float64(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-4000:]
     result = torch.load(path)
     assert result["info"]["capability"] == "AVX2" and result["info"]["vector_bits"] == 256
-    for (q, k, v), rule, out in zip(inputs, causal, result["outputs"], strict=True):
-        expected, _ = oracle(q.double(), k.double(), v.double(), causal=rule)
-        atol, rtol = TOLERANCE[q.dtype]
-        assert out.dtype == q.dtype
-        torch.testing.assert_close(out.double(), expected, atol=atol, rtol=rtol)
+    for (q, k, v, grad_out), rule, got in zip(inputs, causal, result["results"], strict=True):
+        assert_matches_float64(q, k, v, grad_out, rule, got)
+
+
+def assert_matches_float64(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    causal: object,
+    got: Sequence[torch.Tensor],
+) -> None:
+    """got = (out, dq, dk, dv) against the float64 oracle and its autograd: the output within
+    the dtype's tolerance, the gradients within 4 times it (as in test_functional.py)."""
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    expected_out, _ = oracle(*leaves, causal=causal)
+    expected = torch.autograd.grad(expected_out, leaves, grad_out.double())
+    atol, rtol = TOLERANCE[q.dtype]
+    assert all(x.dtype == q.dtype for x in got)
+    torch.testing.assert_close(got[0].double(), expected_out, atol=atol, rtol=rtol)
+    for grad, want in zip(got[1:], expected, strict=True):
+        torch.testing.assert_close(grad.double(), want, atol=4 * atol, rtol=4 * rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=[case[0] for case in CASES])
+def test_the_compiled_backward_matches_float64(
+    monkeypatch: pytest.MonkeyPatch, case: tuple[Any, ...], dtype: torch.dtype
+) -> None:
+    """This machine's build, forward and backward, every call on the kernel."""
+    if kernel.load() is None:
+        pytest.skip("the compiled kernel is switched off or cannot be built here")
+    _, q_shape, k_shape, v_shape, rule = case
+    compiled, calls = kernel.backward, []
+    monkeypatch.setattr(kernel, "backward", lambda *a: calls.append(1) or compiled(*a))
+    q, k, v = (torch.randn(s).to(dtype).requires_grad_() for s in (q_shape, k_shape, v_shape))
+    out = qkv.attention(q, k, v, causal=rule, backend="flash")
+    grad_out = torch.randn(out.shape).to(dtype)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert calls == [1], "the backward pass did not run on the kernel"
+    assert_matches_float64(q, k, v, grad_out, rule, (out, *grads))
+
+
+def test_the_compiled_backward_is_deterministic() -> None:
+    """Two threads and one key/value head: the query blocks split between the threads, whose
+    dK and dV parts are added in a fixed order. The same call twice gives the same bits."""
+    if kernel.load() is None:
+        pytest.skip("the compiled kernel is switched off or cannot be built here")
+    q, k, v = (torch.randn(1, 4, 700, 32) for _ in range(3))
+    k, v = k[:, :1], v[:, :1]  # one key/value head serving four query heads
+    forward = kernel.forward(q, k, v, 0.2, 0)
+    assert forward is not None, "the kernel does not take this call"
+    out, lse = forward
+    grad_out = torch.randn(out.shape)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        first, second = (kernel.backward(q, k, v, out, grad_out, lse, 0.2, 0) for _ in range(2))
+    finally:
+        torch.set_num_threads(threads)
+    assert first is not None and second is not None
+    for one, two in zip(first, second, strict=True):
+        assert torch.equal(one, two)
 
 
 def _cross_compiler() -> str | None:
