@@ -79,14 +79,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     add("--no-memory", action="store_true", help="skip the memory measurement")
     add("--quick", action="store_true", help="T = 256 and 1024, 3 repetitions, no memory")
-    add(
-        "--isa",
-        choices=kernel.ISAS,
-        default=None,
-        help="the build of flash's kernel to measure, in a fresh process with torch held to the "
-        "same instructions: native (this CPU's, the default), avx512 or avx2",
-    )
-    add("--settings", help=argparse.SUPPRESS)  # a parent's --isa run (qkv.bench.isa)
+    isa.add_arguments(parser)
     add("--json", metavar="PATH", help="write the results into this JSON file")
     add("--plot", metavar="PATH", help="write a PNG: time and memory vs T")
     configure_only_modes(parser)

@@ -38,6 +38,18 @@ LIMITS = {
 _MARKER = "QKV_BENCH_ISA"
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--isa``, and the hidden ``--settings`` that hands a run to its fresh process."""
+    parser.add_argument(
+        "--isa",
+        choices=kernel.ISAS,
+        default=None,
+        help="the build of flash's kernel to measure, in a fresh process with torch held to the "
+        "same instructions: native (this CPU's, the default), avx512 or avx2",
+    )
+    parser.add_argument("--settings", help=argparse.SUPPRESS)
+
+
 def environment(isa: str) -> dict[str, str]:
     """The environment of a process that runs as a CPU with ``isa`` would."""
     env = {**os.environ, "QKV_FLASH_ISA": isa, _MARKER: isa}
