@@ -806,23 +806,14 @@ std::vector<at::Tensor> forward(
   return forward_impl<float>(q, k, v, scale, causal, offset, static_cast<Products>(products));
 }
 
-// x (N, S, D) float32 as xᵀ in column panels, zero-padded: (N, ⌈S / kPanel⌉, D, kPanel), the
+// One head's x (S, D) as xᵀ in column panels, zero-padded: (⌈S / kPanel⌉, D, kPanel), the
 // layout product_tiles reads kᵀ from (as arrange packs it for the forward pass).
-at::Tensor transposed_panels(const at::Tensor& x) {
-  const int64_t N = x.size(0), S = x.size(1), D = x.size(2), panels = (S + kPanel - 1) / kPanel;
-  auto packed = at::empty({N, panels, D, kPanel}, x.options());
-  const float* from = x.const_data_ptr<float>();
-  float* to = packed.data_ptr<float>();
-  at::parallel_for(0, N * panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t z = begin; z < end; ++z) {
-      const int64_t h = z / panels, j0 = (z % panels) * kPanel;
-      for (int64_t c = 0; c < kPanel; ++c) {
-        const float* row = from + (h * S + j0 + c) * D;
-        for (int64_t d = 0; d < D; ++d) to[(z * D + d) * kPanel + c] = j0 + c < S ? row[d] : 0.f;
-      }
+void pack_transposed(const float* x, int64_t S, int64_t D, float* to) {
+  for (int64_t j0 = 0; j0 < S; j0 += kPanel, to += D * kPanel)
+    for (int64_t c = 0; c < kPanel; ++c) {
+      const float* row = x + (j0 + c) * D;
+      for (int64_t d = 0; d < D; ++d) to[d * kPanel + c] = j0 + c < S ? row[d] : 0.f;
     }
-  });
-  return packed;
 }
 
 // The backward pass of the forward above (float32; the caller widens other dtypes), for the
@@ -852,8 +843,7 @@ std::vector<at::Tensor> backward(
   const at::Tensor delta = (dout * out).sum(-1).contiguous();  // (NG, Lq)
   // In base 2, as the scores; +inf where there is no key, so that 2^(s · c − lse) = 0.
   const at::Tensor lse2 = at::where(lse == kNegInf, -kNegInf, lse * kLog2E).contiguous();
-  const at::Tensor keys = transposed_panels(k), values = transposed_panels(v);
-  const int64_t key_panels = keys.size(1);
+  const int64_t key_panels = (S + kPanel - 1) / kPanel;
   // Parts per head: enough tasks for every thread, never more parts than query blocks.
   const int64_t threads = at::get_num_threads();
   const int64_t parts = std::clamp<int64_t>((threads + N - 1) / N, 1, std::max<int64_t>(1, query_blocks));
@@ -862,15 +852,19 @@ std::vector<at::Tensor> backward(
   auto dv_parts = at::zeros({parts, N, S, Dv}, v.options());
   const float *qd = q.const_data_ptr<float>(), *kd = k.const_data_ptr<float>();
   const float *od = dout.const_data_ptr<float>(), *ld = lse2.const_data_ptr<float>();
-  const float *dd = delta.const_data_ptr<float>(), *kp = keys.const_data_ptr<float>();
-  const float* vp = values.const_data_ptr<float>();
+  const float *dd = delta.const_data_ptr<float>(), *vd = v.const_data_ptr<float>();
   float *dqd = dq.data_ptr<float>(), *dkd = dk_parts.data_ptr<float>();
   float* dvd = dv_parts.data_ptr<float>();
   at::parallel_for(0, N * parts, 1, [&](int64_t begin, int64_t end) {
     Scratch<float> weights(kQueryBlock * kScoreStride), grads(kQueryBlock * kScoreStride);
     Scratch<float> dq_block(kQueryBlock * D);
+    // This task's head's kᵀ and vᵀ in panels (packed per task: a head at a time, not all heads).
+    Scratch<float> key_panels_of(key_panels * kPanel * D), value_panels_of(key_panels * kPanel * Dv);
+    const float *kp = key_panels_of.data(), *vp = value_panels_of.data();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t kv = task / parts, part = task % parts;
+      pack_transposed(kd + kv * S * D, S, D, key_panels_of.data());
+      pack_transposed(vd + kv * S * Dv, S, Dv, value_panels_of.data());
       const int64_t first = query_blocks * part / parts, last = query_blocks * (part + 1) / parts;
       float* dk_head = dkd + (part * N + kv) * S * D;
       float* dv_head = dvd + (part * N + kv) * S * Dv;
@@ -884,10 +878,9 @@ std::vector<at::Tensor> backward(
           for (int64_t k0 = 0; k0 < keys_end; k0 += kKeyBlock) {
             const int64_t kn = std::min(kKeyBlock, keys_end - k0);
             float *p = weights.data(), *ds = grads.data();
-            product_tiles(rows, kn, D, q_block, D, 1, kp + (kv * key_panels * kPanel + k0) * D,
-                          kPanel, D * kPanel, p, kScoreStride, false);  // s = q · kᵀ
-            product_tiles(rows, kn, Dv, dout_block, Dv, 1,
-                          vp + (kv * key_panels * kPanel + k0) * Dv, kPanel, Dv * kPanel, ds,
+            product_tiles(rows, kn, D, q_block, D, 1, kp + k0 * D, kPanel, D * kPanel, p,
+                          kScoreStride, false);  // s = q · kᵀ
+            product_tiles(rows, kn, Dv, dout_block, Dv, 1, vp + k0 * Dv, kPanel, Dv * kPanel, ds,
                           kScoreStride, false);  // dP = dO · vᵀ
             for (int64_t r = 0; r < rows; ++r) {
               const int64_t seen = causal ? std::clamp<int64_t>(q0 + r + offset + 1 - k0, 0, kn) : kn;
