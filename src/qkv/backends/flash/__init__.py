@@ -4,9 +4,10 @@ Three parts, one concern each:
 
 - ``loop.py``: the algorithm written to be read (the recurrence is explained there), forward
   and backward, in PyTorch; the specification the kernel is tested against, and what runs masks,
-  float64, other devices and the backward pass.
-- ``kernel.py`` + ``flash_cpu.cpp``: the same forward recurrence compiled for the CPU, for calls
-  without a mask, and a decoding step that writes a KV cache and attends in one call.
+  float64 and other devices.
+- ``kernel.py`` + ``flash_cpu.cpp``: the same forward recurrence and backward pass compiled for
+  the CPU, for calls without a mask, and a decoding step that writes a KV cache and attends in
+  one call.
 - this module: the backend's entry points (``why_not``, ``attention``, ``attention_with_cache``)
   and ``forward``/``backward``, which run a block of keys on the kernel where it takes the call
   and on the loop otherwise (ring attention calls them block by block).

@@ -3,7 +3,9 @@
 The kernel runs the forward recurrence of ``loop.py`` for calls without a mask, one query block
 of one head at a time in cache-sized buffers, with one fused exp/sum pass per key block. Calls
 with fewer than ``DECODE_QUERIES`` queries (decoding) take its other path: one query row at a
-time, K/V read where they lie, so a KV cache's buffer is never copied.
+time, K/V read where they lie, so a KV cache's buffer is never copied. Its backward pass
+(``backward``) recomputes each tile's weights from the saved log-sum-exp and sums dQ, dK and dV
+per block, in a fixed order (the same bits on every run).
 
 The kernel is compiled the first time it is needed with torch's C++ extension tooling (a C++
 compiler and ninja), and cached by torch under ``~/.cache/torch_extensions``
