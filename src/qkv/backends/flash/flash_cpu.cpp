@@ -274,8 +274,8 @@ inline void tile_gradients(float* p, float* ds, int64_t seen, int64_t n, float c
 }
 
 // Keys and values in the order the products read them.
-//   float32, own tiles: kᵀ and v in column panels of kPanel columns, zero-padded: keys
-//             (N, ⌈S / kPanel⌉, D, kPanel), values (N, ⌈Dv / kPanel⌉, S, kPanel).
+//   float32, own tiles: kᵀ in column panels of kPanel columns, zero-padded (N, ⌈S / kPanel⌉,
+//             D, kPanel); v as given (its rows are the panels' rows, kDepth of them at a time).
 //   float32, otherwise: kt = kᵀ per head (N, D, S); v as given.
 //   bfloat16: per key block, kᵀ (D, Bk) and v (Bk, Dv) in pairs-of-rows order: element
 //             (r, c) of a (R, C) matrix at [(r / 2) · C + c] · 2 + r % 2, zero-padded to what
@@ -290,37 +290,22 @@ Operands arrange(const at::Tensor& k, const at::Tensor& v, int64_t key_blocks, b
   const int64_t N = k.size(0), S = k.size(1), D = k.size(2), Dv = v.size(2);
   if constexpr (std::is_same_v<T, float>) {
     if (!panels) return {k.transpose(1, 2).contiguous(), v};
-    // Both in one pass over threads (each pass wakes them all, which costs short calls most):
-    // units z < N · key_panels are key panels, the rest value panels.
-    const int64_t key_panels = (S + kPanel - 1) / kPanel, value_panels = (Dv + kPanel - 1) / kPanel;
+    // kᵀ's columns j0 … j0 + kPanel − 1 of head h, (D, kPanel), per unit z = h · key_panels + …
+    const int64_t key_panels = (S + kPanel - 1) / kPanel;
     auto keys = at::empty({N, key_panels, D, kPanel}, k.options());
-    auto values = at::empty({N, value_panels, S, kPanel}, v.options());
     const float* kd = k.const_data_ptr<float>();
-    const float* vd = v.const_data_ptr<float>();
     float* kp = keys.data_ptr<float>();
-    float* vp = values.data_ptr<float>();
-    at::parallel_for(0, N * (key_panels + value_panels), 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, N * key_panels, 1, [&](int64_t begin, int64_t end) {
       for (int64_t z = begin; z < end; ++z) {
-        if (z < N * key_panels) {  // kᵀ's columns j0 … j0 + kPanel − 1: (D, kPanel)
-          const int64_t h = z / key_panels, j0 = (z % key_panels) * kPanel;
-          float* to = kp + z * D * kPanel;
-          for (int64_t c = 0; c < kPanel; ++c) {
-            const float* from = kd + (h * S + j0 + c) * D;
-            for (int64_t d = 0; d < D; ++d) to[d * kPanel + c] = j0 + c < S ? from[d] : 0.f;
-          }
-        } else {  // v's columns e0 … e0 + kPanel − 1: (S, kPanel)
-          const int64_t u = z - N * key_panels, h = u / value_panels;
-          const int64_t e0 = (u % value_panels) * kPanel, width = std::min(kPanel, Dv - e0);
-          float* to = vp + u * S * kPanel;
-          for (int64_t s = 0; s < S; ++s) {
-            const float* from = vd + (h * S + s) * Dv + e0;
-            std::copy(from, from + width, to + s * kPanel);
-            std::fill(to + s * kPanel + width, to + (s + 1) * kPanel, 0.f);
-          }
+        const int64_t h = z / key_panels, j0 = (z % key_panels) * kPanel;
+        float* to = kp + z * D * kPanel;
+        for (int64_t c = 0; c < kPanel; ++c) {
+          const float* from = kd + (h * S + j0 + c) * D;
+          for (int64_t d = 0; d < D; ++d) to[d * kPanel + c] = j0 + c < S ? from[d] : 0.f;
         }
       }
     });
-    return {keys, values};
+    return {keys, v};
   } else {
     const int64_t De = (D + 1) / 2 * 2;
     auto keys = at::empty({N, key_blocks, De * kKeyBlock}, k.options());
@@ -517,7 +502,7 @@ std::vector<at::Tensor> forward_impl(
   at::Tensor q_even = q;  // bfloat16 products need an even feature count
   if (low && De != D) q_even = at::constant_pad_nd(q, {0, 1});
   const Operands ops = arrange<T>(k, v, key_blocks, path == Products::kTiles);
-  const int64_t key_panels = (S + kPanel - 1) / kPanel, value_panels = (Dv + kPanel - 1) / kPanel;
+  const int64_t key_panels = (S + kPanel - 1) / kPanel;
 
   const T* qd = q_even.const_data_ptr<T>();
   const T* kd = ops.keys.const_data_ptr<T>();
@@ -595,9 +580,9 @@ std::vector<at::Tensor> forward_impl(
           at::native::cpublas::brgemm(
               rows, Dv, (kn + 1) / 2 * 2, kWeightStride, Dv, Dv, true, weights.data(),
               vd + (kv * key_blocks + block) * kKeyBlock * Dv, acc.data(), true);
-        } else if (path == Products::kTiles) {  // rows k0 … of v's panels
+        } else if (path == Products::kTiles) {  // v as it lies
           product_tiles(rows, Dv, kn, weights.data(), kWeightStride, 1,
-                        vd + (kv * value_panels * S + k0) * kPanel, kPanel, S * kPanel, acc.data(),
+                        vd + (kv * S + k0) * Dv, Dv, kPanel, acc.data(),
                         Dv, true);
         } else {
           product(path, rows, Dv, kn, kWeightStride, Dv, Dv, true, weights.data(),
