@@ -33,8 +33,8 @@
 // compiles to AVX-512 (16 lanes), AVX2 (8 lanes), NEON (4 lanes) or plain C++, as the build's
 // CPU_CAPABILITY says (kernel.py).
 //
-// float32 matrix products run on the kernel's own register tiles (product_tiles, on K and V
-// packed in panels), or on at::native::cpublas::brgemm, torch's small-matrix kernel (oneDNN's
+// float32 matrix products run on the kernel's own register tiles (product_tiles, on kᵀ packed
+// in panels and V as it lies), or on at::native::cpublas::brgemm, torch's small-matrix kernel (oneDNN's
 // micro-kernels), which kernel.py picks for builds with 512-bit vectors, or torch's BLAS (see
 // Products). bfloat16 products go through cpublas::brgemm on the CPU's bfloat16 matrix units
 // (AMX) or its AVX-512 bfloat16 dot products, with float32 sums, and need each key block in
@@ -425,8 +425,8 @@ inline void product_panel(int64_t M, int64_t K, int64_t width, const float* a, i
 
 // a's element (r, d) is at a[r · lda + d · step] (step 1: row-major; lda 1: a transposed).
 // b comes in column panels of kPanel columns, panel i at b + i · panel_stride, its rows ldb apart
-// (arrange packs K and V so, each panel contiguous and the last one zero-padded; a row-major
-// matrix is such panels with panel_stride kPanel).
+// (arrange packs kᵀ so, each panel contiguous and the last one zero-padded; a row-major
+// matrix, such as v, is such panels with panel_stride kPanel).
 // The sum over K goes kDepth rows of b at a time, so that the part of b one pass reads stays in
 // the L1 cache (in p · v, K is up to 512 keys: the products waited on the L2 cache). Where that
 // part is small (p · v: kDepth × Dv values), each row tile runs over all of it before the next
@@ -462,7 +462,7 @@ inline void product_tiles(int64_t M, int64_t N, int64_t K, const float* a, int64
 }
 
 // Where the kernel's float32 products run (kernel.py's GEMM): its own register tiles
-// (product_tiles, on K and V packed in panels), cpublas::brgemm (oneDNN's micro-kernels from AVX2
+// (product_tiles, on kᵀ packed in panels), cpublas::brgemm (oneDNN's micro-kernels from AVX2
 // up, torch's own gemm where there are none) or torch's matrix multiply (MKL or OpenBLAS for the
 // ISA the CPU has, one thread inside the kernel's threads) on tensors that view the buffers.
 enum class Products : int64_t { kTiles = 0, kBrgemm = 1, kBlas = 2 };
