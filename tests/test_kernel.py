@@ -73,6 +73,9 @@ def test_an_unknown_isa_or_product_path_is_a_value_error_naming_the_variable(
 ) -> None:
     with pytest.raises(ValueError, match=r"QKV_FLASH_ISA: expected one of .*got 'sse'"):
         kernel.capability_flags("sse")
+    monkeypatch.setattr(kernel, "cpu_flags", lambda: {"sse2", "avx"})
+    with pytest.raises(ValueError, match=r"QKV_FLASH_ISA: this CPU cannot run 'avx2' \(it lacks"):
+        kernel._build("avx2")
     monkeypatch.setattr(kernel, "GEMM", "cublas")
     with pytest.raises(ValueError, match=r"QKV_FLASH_GEMM: expected one of .*got 'cublas'"):
         kernel.products()

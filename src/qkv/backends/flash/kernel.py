@@ -89,6 +89,16 @@ def _capability(name: str) -> list[str]:
     return defines if name == "DEFAULT" else [*defines, f"-DCPU_CAPABILITY_{name}"]
 
 
+def _check_cpu_runs(isa: str) -> None:
+    """A ValueError where this x86 CPU lacks the instructions a build for ``isa`` uses (it would
+    stop at its first such instruction); elsewhere the build itself decides."""
+    needs = {"avx512": _AVX512_CPU_FLAGS, "avx2": {"avx2", "fma", "f16c"}}.get(isa, set())
+    flags = cpu_flags()
+    if flags and not flags.issuperset(needs):
+        missing = ", ".join(sorted(needs - flags))
+        raise ValueError(f"QKV_FLASH_ISA: this CPU cannot run {isa!r} (it lacks {missing})")
+
+
 def cpu_flags() -> set[str]:
     """This CPU's x86 feature flags from /proc/cpuinfo (empty elsewhere)."""
     try:
@@ -170,6 +180,7 @@ def _products() -> str:  # products(), worked out once per ISA and GEMM
 def _build(isa: str) -> ModuleType | None:
     try:
         flags = capability_flags(isa)
+        _check_cpu_runs(isa)
         import ninja  # the build tool torch's extension builder runs
         from torch.utils import cpp_extension
 
