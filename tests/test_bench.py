@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from qkv import cli
-from qkv.bench import arguments, auto, cases, decode, memory, timing
+from qkv.backends.flash import kernel
+from qkv.bench import arguments, auto, cases, decode, isa, memory, timing
 
 
 def test_a_small_run_writes_the_table_json_and_plot(
@@ -178,3 +179,36 @@ def test_memory_check_runs_in_a_fresh_process() -> None:
     assert check["length"] == 512 and check["backend"] == "flash"
     assert check["peak_process_mib"] >= check["baseline_process_mib"] > 0
     assert math.isclose(check["naive_scores_mib"], 2 * 512 * 512 * 4 / 2**20)
+
+
+def test_an_isa_run_holds_torch_to_the_same_instructions(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "ALL")  # set by the user: kept
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    env = isa.environment("avx2")
+    assert env["QKV_FLASH_ISA"] == "avx2" and env["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert env["MKL_ENABLE_INSTRUCTIONS"] == "AVX2" and env["ONEDNN_MAX_CPU_ISA"] == "ALL"
+    monkeypatch.setattr(kernel, "ISA", "native")
+    assert isa.needs_fresh_process("avx2") and not isa.needs_fresh_process("native")
+    assert not isa.needs_fresh_process(None)
+    monkeypatch.setenv("QKV_BENCH_ISA", "avx2")  # in the fresh process
+    assert not isa.needs_fresh_process("avx2")
+
+
+@pytest.mark.skipif(
+    not {"avx2", "fma", "f16c"} <= kernel.cpu_flags() or not kernel.ENABLED,
+    reason="needs an x86 CPU with AVX2 and the kernel switched on",
+)
+def test_an_avx2_run_names_its_build_first(capfd: pytest.CaptureFixture[str]) -> None:
+    """The AVX2 build (built once and cached, as in test_kernel.py) measured in a fresh process,
+    its first line naming the build; the JSON records it."""
+    arguments = "--lengths 32 --dtypes float32 --passes forward --levels functional --causal no"
+    code = cli.main(["bench", "--isa", "avx2", *arguments.split(), "--repeats", "1", "--no-memory"])
+    assert code == 0
+    first = capfd.readouterr().out.splitlines()[0]
+    assert first.startswith("flash kernel: --isa avx2 (AVX2, 256-bit vectors)"), first
+    assert "torch's CPU kernels: AVX2" in first
+
+
+def test_the_build_line_says_when_there_is_no_kernel() -> None:
+    line = isa.describe({"isa": "native", "built": False, "torch_capability": "AVX512"})
+    assert "not built" in line and "torch's CPU kernels: AVX512" in line

@@ -8,6 +8,7 @@
     qkv bench --memory-check                    # peak memory of a T = 32768 causal step
     qkv bench --auto                            # the calls that decide what "auto" picks
     qkv bench --arguments 4096                  # sinks, softcap, ALiBi, windows, documents
+    qkv bench --isa avx2                        # flash's AVX2 build, torch held to AVX2 too
 
 The table goes to stdout; one progress line per case goes to stderr as the run goes on.
 """
@@ -22,7 +23,8 @@ from typing import Any
 
 import torch
 
-from qkv.bench import arguments, auto, cases, decode, memory, report, runs, timing
+from qkv.backends.flash import kernel
+from qkv.bench import arguments, auto, cases, decode, isa, memory, report, runs, timing
 
 MATMUL_BUDGET_S = 1.0  # the whole matrix-multiply probe, all dtypes together
 
@@ -78,6 +80,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     add("--no-memory", action="store_true", help="skip the memory measurement")
     add("--quick", action="store_true", help="T = 256 and 1024, 3 repetitions, no memory")
+    isa.add_arguments(parser)
     add("--json", metavar="PATH", help="write the results into this JSON file")
     add("--plot", metavar="PATH", help="write a PNG: time and memory vs T")
     configure_only_modes(parser)
@@ -114,6 +117,10 @@ def configure_only_modes(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run what ``args`` asks for, print it, and record it with --json/--plot."""
+    if args.settings is not None:  # the fresh process of an --isa run
+        args = isa.settings(args.settings)
+    if isa.needs_fresh_process(args.isa):
+        return isa.rerun(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     shape = cases.Shape(args.batch, args.heads, args.dim)
@@ -121,6 +128,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(memory.peak_memory_worker(json.loads(args.worker))))
         return 0
     record: dict[str, Any] = {"machine": report.machine(), "shape": asdict(shape)}
+    record["build"] = {
+        **kernel.build_info(),
+        "torch_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+    print(isa.describe(record["build"]), flush=True)
     if args.memory_check is not None:
         record["memory_check"] = memory.memory_check(args.memory_check, shape, args.threads)
         print(memory.format_memory_check(record["memory_check"]))

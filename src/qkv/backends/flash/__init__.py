@@ -4,9 +4,10 @@ Three parts, one concern each:
 
 - ``loop.py``: the algorithm written to be read (the recurrence is explained there), forward
   and backward, in PyTorch; the specification the kernel is tested against, and what runs masks,
-  float64, other devices and the backward pass.
-- ``kernel.py`` + ``flash_cpu.cpp``: the same forward recurrence compiled for the CPU, for calls
-  without a mask, and a decoding step that writes a KV cache and attends in one call.
+  float64 and other devices.
+- ``kernel.py`` + ``flash_cpu.cpp``: the same forward recurrence and backward pass compiled for
+  the CPU, for calls without a mask, and a decoding step that writes a KV cache and attends in
+  one call.
 - this module: the backend's entry points (``why_not``, ``attention``, ``attention_with_cache``)
   and ``forward``/``backward``, which run a block of keys on the kernel where it takes the call
   and on the loop otherwise (ring attention calls them block by block).
@@ -22,7 +23,7 @@ import torch
 from qkv import _checks, logsumexp
 from qkv.backends.base import CacheWrite, Call
 from qkv.backends.flash import kernel, loop
-from qkv.backends.flash.loop import KEY_TILE, QUERY_TILE, backward
+from qkv.backends.flash.loop import KEY_TILE, QUERY_TILE
 from qkv.backends.flash.rules import Rules, kernel_ranges, kernel_slopes
 
 __all__ = [
@@ -83,6 +84,30 @@ def with_sinks(
     sink = sinks.detach().to(lse.dtype)[:, None].expand_as(lse)  # (*B, Hq, Lq)
     lse_all, share, _ = logsumexp.shares(lse, sink)
     return out * share[..., None].to(out.dtype), lse_all
+
+
+def backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    scale: float,
+    causal_offset: int | None = None,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``loop.backward`` (same arguments and results: dq, dk, dv in the compute dtype), on the
+    compiled kernel where it takes the call (no mask, CPU, float32/float16/bfloat16, one batch
+    shape)."""
+    if mask is None:
+        compiled = kernel.backward(q, k, v, out, grad_out, lse, scale, causal_offset)
+        if compiled is not None:
+            return compiled
+    return loop.backward(
+        q, k, v, out, grad_out, lse, scale=scale, causal_offset=causal_offset, mask=mask
+    )
 
 
 def runs_compiled(call: Call) -> bool:
@@ -227,19 +252,30 @@ class _FlashAttention(torch.autograd.Function):
         options: _Options = ctx.options
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        dq, dk, dv, dslopes = loop.backward_all(
-            q,
-            k,
-            v,
-            out,
-            grad_out,
-            lse,
-            scale=options.scale,
-            causal_offset=options.causal_offset,
-            mask=options.mask,
-            rules=options.rules,
-            grad_lse=grad_lse,
-        )
+        compiled = None
+        if options.mask is None and options.rules is None and grad_lse is None:
+            # the kernel's backward: out and lse already hold the sinks' share, and a sink's
+            # value is 0, so the keys' gradients are those of plain attention given out and lse
+            compiled = kernel.backward(
+                q, k, v, out, grad_out, lse, options.scale, options.causal_offset
+            )
+        if compiled is not None:
+            dq, dk, dv = compiled
+            dslopes = None
+        else:
+            dq, dk, dv, dslopes = loop.backward_all(
+                q,
+                k,
+                v,
+                out,
+                grad_out,
+                lse,
+                scale=options.scale,
+                causal_offset=options.causal_offset,
+                mask=options.mask,
+                rules=options.rules,
+                grad_lse=grad_lse,
+            )
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             dsinks = sink_gradient(out, lse, grad_out, grad_lse, sinks)

@@ -4,12 +4,12 @@
 //
 // For each query block (Bq rows of one query head) and each key block (Bk keys) it may see:
 //
-//     s      = q_block · k_blockᵀ                          (Bq, Bk) float32, one brgemm call
+//     s      = q_block · k_blockᵀ                          (Bq, Bk) float32, one product
 //     m_new  = max(m, max_j s_j · c)                        c = scale · log2(e): base-2 units
 //     alpha  = 2^(m − m_new)                                rescales the old terms
 //     p      = 2^(s · c − m_new)                            float32; bfloat16 for the product
 //     l      = alpha · l + Σ_j p_j
-//     acc    = alpha · acc + p · v_block                    (Bq, Dv) float32, one brgemm call
+//     acc    = alpha · acc + p · v_block                    (Bq, Dv) float32, one product
 //
 // and at the end out = acc / l, lse = (m + log2 l) · ln 2. A row with no key keeps l = 0: out 0,
 // lse −inf. Key blocks no row of the block may see are skipped: causally those past its last
@@ -29,11 +29,20 @@
 // quarter of all rows at T = 4096 on random inputs, and the branch, going either way at random,
 // cost more than the passes it redid.)
 
-// Matrix products go through at::native::cpublas::brgemm, torch's small-matrix kernel (oneDNN):
-// float32 products use the vector units; bfloat16 products use the CPU's bfloat16 matrix units
-// (AMX) with float32 sums, which need each key block in pairs-of-rows ("VNNI") order, built once
-// per call. Scores, softmax and accumulation are float32 in both cases; the weights that are
-// rounded to bfloat16 for the product come from a cheaper 2^x (within 7.5e-5 relative).
+// The vector passes (maxima, the fused exponentiation pass, the decoding path's dot products and
+// weighted sums) are written on ATen's portable vector type at::vec::Vectorized<float>, which
+// compiles to AVX-512 (16 lanes), AVX2 (8 lanes), NEON (4 lanes) or plain C++, as the build's
+// CPU_CAPABILITY says (kernel.py).
+//
+// float32 matrix products run on the kernel's own register tiles (product_tiles, on kᵀ packed
+// in panels and V as it lies), or on at::native::cpublas::brgemm, torch's small-matrix kernel (oneDNN's
+// micro-kernels), which kernel.py picks for builds with 512-bit vectors, or torch's BLAS (see
+// Products). bfloat16 products go through cpublas::brgemm on the CPU's bfloat16 matrix units
+// (AMX) or its AVX-512 bfloat16 dot products, with float32 sums, and need each key block in
+// pairs-of-rows ("VNNI") order, built once per call. Where the CPU has neither, bfloat16 inputs
+// are widened to float32 by the caller and take the float32 path (kernel.py's
+// bfloat16_products()). Scores, softmax and accumulation are float32 in every case; the weights
+// that are rounded to bfloat16 for the product come from a cheaper 2^x (within 7.5e-5 relative).
 //
 // Inputs: q (NG, Lq, D), k (N, S, D), v (N, S, Dv), contiguous, all float32 or all bfloat16;
 // query head i uses key/value head i / (NG / N) (grouped-query heads, K/V never repeated).
@@ -42,8 +51,9 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
@@ -119,19 +129,39 @@ inline float exp2_scalar(float x) {
   return std::ldexp(p, static_cast<int>(n));
 }
 
-#if defined(__AVX512F__)
-// The same 2^x on 16 lanes, in two instructions besides the polynomial: f = x − floor(x) from
-// reduce, and p(f) · 2^floor(x) from scalef, which floors its exponent itself, so n is never
-// formed (for −inf, f = 0 and the result is 0; NaN stays NaN). Results below 2^-126 are flushed
-// to 0 by the flush-to-zero mode the kernel runs in (see forward_impl).
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = Vec::size();
+// The register tiles of the kernel's own products (product_tiles).
+constexpr int kTileVectors = 2;
+constexpr int kTileRows = kLanes >= 16 ? 12 : 6;  // 32 registers (AVX-512) or 16 (AVX2)
+constexpr int64_t kPanel = kTileVectors * kLanes;   // columns of one register tile
+
+// The same 2^x on a vector: n = floor(x), f = x − n, and p(f) · 2^n with 2^n made from its
+// exponent bits, (n + 127) · 2^23. Lanes below −127 (−inf included) are first raised to −127,
+// whose 2^n has all exponent bits 0: 2^n = 0, so below −126 the result is 0 without subnormal
+// results. A NaN lane fails the comparison, keeps NaN and gives NaN through p. Above 128 the
+// exponent bits overflow: the kernel never uses such lanes (m moves up first; see lag_allowed).
 template <int Terms>
-inline __m512 exp2_avx512(__m512 x, const float (&coefficients)[Terms]) {
-  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 p = _mm512_set1_ps(coefficients[0]);
-  for (int i = 1; i < Terms; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(coefficients[i]));
-  return _mm512_scalef_ps(p, x);
+inline Vec exp2_vec(Vec x, const float (&coefficients)[Terms]) {
+  const Vec lowest(-127.f);
+  x = Vec::blendv(x, lowest, x < lowest);
+  const Vec n = x.floor();
+  const Vec f = x - n;
+  Vec p(coefficients[0]);
+  for (int i = 1; i < Terms; ++i) p = at::vec::fmadd(p, f, Vec(coefficients[i]));
+  constexpr float kOne = 8388608.f;  // 2^23: one step of the exponent field
+  const Vec exponent = at::vec::fmadd(n, Vec(kOne), Vec(127.f * kOne));
+  return p * at::vec::cast<float>(at::vec::convert_to_int_of_same_size(exponent));
 }
-#endif
+
+// Lanes 0 … count − 1 of a vector (count ≤ kLanes), as a comparison mask.
+inline Vec first_lanes(int64_t count) {
+  return Vec::arange(0.f, 1.f) < Vec(static_cast<float>(count));
+}
+
+inline float sum_lanes(const Vec& x) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x);
+}
 
 // What a call adds to q · k: soft-capping and ALiBi. cap = 0: no capping; slopes = nullptr: no
 // ALiBi (one slope per query head otherwise); shift = S − Lq aligns the last query with the last
@@ -156,25 +186,22 @@ inline float tanh_scalar(float y) {
   return std::copysign((1.f - t) / (1.f + t), y);
 }
 
-#if defined(__AVX512F__)
-inline __m512 tanh_avx512(__m512 y) {
-  const __m512 a = _mm512_abs_ps(y), y2 = _mm512_mul_ps(y, y);
-  __m512 series = _mm512_set1_ps(62.f / 2835);
-  series = _mm512_fmadd_ps(series, y2, _mm512_set1_ps(-17.f / 315));
-  series = _mm512_fmadd_ps(series, y2, _mm512_set1_ps(2.f / 15));
-  series = _mm512_fmadd_ps(series, y2, _mm512_set1_ps(-1.f / 3));
-  series = _mm512_mul_ps(y, _mm512_fmadd_ps(series, y2, _mm512_set1_ps(1.f)));
-  const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.25f), _CMP_LT_OQ);
-  if (small == 0xFFFF) return series;  // the usual case for a large cap such as Gemma's 50
-  const __m512 t = exp2_avx512(_mm512_mul_ps(a, _mm512_set1_ps(-2.f * kLog2E)), kExp2Degree5);
-  const __m512 one = _mm512_set1_ps(1.f);
-  __m512 large = _mm512_div_ps(_mm512_sub_ps(one, t), _mm512_add_ps(one, t));
-  // tanh(|y|) >= 0 has no sign bit: give it y's
-  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(INT32_MIN));
-  large = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(large), sign));
-  return _mm512_mask_blend_ps(small, large, series);
+// The same tanh on a vector: the series where every lane is below 1/4 (the usual case for a
+// large cap such as Gemma's 50), else each lane from its own formula.
+inline Vec tanh_vec(const Vec& y) {
+  const Vec a = y.abs(), y2 = y * y;
+  Vec series(62.f / 2835);
+  series = at::vec::fmadd(series, y2, Vec(-17.f / 315));
+  series = at::vec::fmadd(series, y2, Vec(2.f / 15));
+  series = at::vec::fmadd(series, y2, Vec(-1.f / 3));
+  series = y * at::vec::fmadd(series, y2, Vec(1.f));
+  const Vec large_lanes = a >= Vec(0.25f);
+  if (large_lanes.zero_mask() == (1 << kLanes) - 1) return series;  // no lane at or above 1/4
+  const Vec t = exp2_vec(a * Vec(-2.f * kLog2E), kExp2Degree5);
+  const Vec large = (Vec(1.f) - t) / (Vec(1.f) + t);  // tanh(|y|)
+  const Vec signed_large = Vec::blendv(large, Vec(0.f) - large, y < Vec(0.f));
+  return Vec::blendv(series, signed_large, large_lanes);
 }
-#endif
 
 // One row of n scores in place, keys j = 0 … n − 1 at distance d0 − j from the query:
 // s_j ← cap · tanh(s_j · scale / cap) − slope · |d0 − j| (each part only where the call has it),
@@ -182,21 +209,14 @@ inline __m512 tanh_avx512(__m512 y) {
 inline void modify_row(float* s, int64_t n, float scale, float cap, float slope, int64_t d0) {
   const bool capped = cap != 0.f;
   int64_t j = 0;
-#if defined(__AVX512F__)
-  const __m512 vscale = _mm512_set1_ps(scale), vcap = _mm512_set1_ps(cap);
-  const __m512 vinv = _mm512_set1_ps(capped ? 1.f / cap : 0.f), vslope = _mm512_set1_ps(slope);
-  const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (; j < n; j += 16) {
-    const __mmask16 lanes = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
-    __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, s + j), vscale);
-    if (capped) x = _mm512_mul_ps(vcap, tanh_avx512(_mm512_mul_ps(x, vinv)));
-    if (slope != 0.f) {
-      const __m512 d = _mm512_sub_ps(_mm512_set1_ps(static_cast<float>(d0 - j)), lane);
-      x = _mm512_fnmadd_ps(vslope, _mm512_abs_ps(d), x);
-    }
-    _mm512_mask_storeu_ps(s + j, lanes, x);
+  const Vec vscale(scale), vcap(cap), vinv(capped ? 1.f / cap : 0.f), vslope(slope);
+  const Vec lane = Vec::arange(0.f, 1.f);
+  for (; j + kLanes <= n; j += kLanes) {
+    Vec x = Vec::loadu(s + j) * vscale;
+    if (capped) x = vcap * tanh_vec(x * vinv);
+    if (slope != 0.f) x = x - vslope * (Vec(static_cast<float>(d0 - j)) - lane).abs();
+    x.store(s + j);
   }
-#endif
   for (; j < n; ++j) {
     float x = s[j] * scale;
     if (capped) x = cap * tanh_scalar(x / cap);
@@ -207,27 +227,25 @@ inline void modify_row(float* s, int64_t n, float scale, float cap, float slope,
 // The running extreme of one row's scores: the largest (Up) or the smallest. NaN is skipped.
 template <bool Up>
 inline float row_extreme(const float* s, int64_t n) {
-  const auto better = [](float a, float b) { return Up ? std::max(a, b) : std::min(a, b); };
-  float best = Up ? kNegInf : -kNegInf;
-  int64_t j = 0;
-#if defined(__AVX512F__)
+  // e where x is NaN (the comparison fails) or not better
+  const auto step = [](const Vec& e, const Vec& x) { return Vec::blendv(e, x, Up ? x > e : x < e); };
+  const float worst = Up ? kNegInf : -kNegInf;
   // Four running extremes, so that each comparison need not wait for the one before.
-  const auto step = [](__m512 x, __m512 e) {
-    return Up ? _mm512_max_ps(x, e) : _mm512_min_ps(x, e);  // e where x is NaN
-  };
-  __m512 e0 = _mm512_set1_ps(best), e1 = e0, e2 = e0, e3 = e0;
-  for (; j + 64 <= n; j += 64) {
-    e0 = step(_mm512_loadu_ps(s + j), e0);
-    e1 = step(_mm512_loadu_ps(s + j + 16), e1);
-    e2 = step(_mm512_loadu_ps(s + j + 32), e2);
-    e3 = step(_mm512_loadu_ps(s + j + 48), e3);
+  Vec e0(worst), e1 = e0, e2 = e0, e3 = e0;
+  int64_t j = 0;
+  for (; j + 4 * kLanes <= n; j += 4 * kLanes) {
+    e0 = step(e0, Vec::loadu(s + j));
+    e1 = step(e1, Vec::loadu(s + j + kLanes));
+    e2 = step(e2, Vec::loadu(s + j + 2 * kLanes));
+    e3 = step(e3, Vec::loadu(s + j + 3 * kLanes));
   }
-  for (; j + 16 <= n; j += 16) e0 = step(_mm512_loadu_ps(s + j), e0);
-  const __m512 e = step(step(e0, e1), step(e2, e3));
-  best = Up ? _mm512_reduce_max_ps(e) : _mm512_reduce_min_ps(e);
-#endif
-  for (; j < n; ++j) best = better(best, s[j]);
-  return best;
+  for (; j < n; j += kLanes) {  // the last lanes: the rest of the vector is worst
+    const int64_t count = std::min(kLanes, n - j);
+    e0 = step(e0, Vec::blendv(Vec(worst), Vec::loadu(s + j, count), first_lanes(count)));
+  }
+  const Vec e = step(step(e0, e1), step(e2, e3));
+  const auto pick = [](Vec& a, Vec& b) { return Up ? at::vec::maximum(a, b) : at::vec::minimum(a, b); };
+  return at::vec::vec_reduce_all<float>(pick, e);  // no NaN left to propagate
 }
 
 // max_j s_j · c over one row: c times the largest score, or the smallest where c < 0. NaN scores
@@ -263,78 +281,64 @@ struct Exponentials {
   float top;  // max_j (s_j · c − m), NaN skipped: above 0, a new maximum
 };
 
-#if defined(__AVX512F__)
 // 2^x for weights of type P: float32 weights to float32 precision, bfloat16 ones cheaper.
 template <typename P>
-inline __m512 weight_exp2(__m512 x) {
-  if constexpr (std::is_same_v<P, float>) return exp2_avx512(x, kExp2Degree5);
-  else return exp2_avx512(x, kExp2Degree3);
+inline Vec weight_exp2(const Vec& x) {
+  if constexpr (std::is_same_v<P, float>) return exp2_vec(x, kExp2Degree5);
+  else return exp2_vec(x, kExp2Degree3);
 }
-#endif
 
 // p_j = 2^(s_j · c − m) written to p (float32 or bfloat16), with their sum and largest exponent.
 template <typename P>
 inline Exponentials exp_row(const float* s, P* p, int64_t n, float c, float m) {
-  constexpr bool f32 = std::is_same_v<P, float>;
+  const Vec vc(c), vm(m);
+  Vec sums(0.f), tops(kNegInf);
+  // Exponentials of count ≤ kLanes scores from s + j, added to sums and tops. Lanes past count
+  // are −inf: weight 0, and never the top.
+  const auto weights = [&](int64_t j, int64_t count) {
+    Vec x = at::vec::fmsub(Vec::loadu(s + j, count), vc, vm);
+    if (count < kLanes) x = Vec::blendv(Vec(kNegInf), x, first_lanes(count));
+    tops = Vec::blendv(tops, x, x > tops);  // tops where x is NaN
+    const Vec e = weight_exp2<P>(x);
+    sums = sums + e;
+    return e;
+  };
   int64_t j = 0;
-  Exponentials row{0.f, kNegInf};
-#if defined(__AVX512F__)
-  __m512 sums = _mm512_setzero_ps(), tops = _mm512_set1_ps(kNegInf);
-  const __m512 vc = _mm512_set1_ps(c), vm = _mm512_set1_ps(m);
-  if constexpr (f32) {
-    for (; j + 16 <= n; j += 16) {
-      const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), vc, vm);
-      tops = _mm512_max_ps(x, tops);  // the second operand where x is NaN
-      const __m512 e = weight_exp2<P>(x);
-      sums = _mm512_add_ps(sums, e);
-      _mm512_storeu_ps(p + j, e);
+  if constexpr (std::is_same_v<P, float>) {
+    for (; j + kLanes <= n; j += kLanes) weights(j, kLanes).store(p + j);
+    if (j < n) weights(j, n - j).store(p + j, n - j);
+  } else {  // two vectors of weights make one of bfloat16
+    for (; j < n; j += 2 * kLanes) {
+      const int64_t count = std::min(2 * kLanes, n - j);
+      const Vec e0 = weights(j, std::min(kLanes, count));
+      const Vec e1 = count > kLanes ? weights(j + kLanes, count - kLanes) : Vec(0.f);
+      at::vec::convert_float_bfloat16(e0, e1).store(p + j, count);
     }
   }
-#if defined(__AVX512BF16__)
-  if constexpr (!f32) {
-    for (; j + 32 <= n; j += 32) {  // two vectors of weights make one of bfloat16
-      const __m512 x0 = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), vc, vm);
-      const __m512 x1 = _mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), vc, vm);
-      tops = _mm512_max_ps(x0, _mm512_max_ps(x1, tops));
-      const __m512 e0 = weight_exp2<P>(x0), e1 = weight_exp2<P>(x1);
-      sums = _mm512_add_ps(sums, _mm512_add_ps(e0, e1));
-      _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-    }
+  const auto larger = [](Vec& a, Vec& b) { return at::vec::maximum(a, b); };
+  return {sum_lanes(sums), at::vec::vec_reduce_all<float>(larger, tops)};
+}
+
+// One row of a backward tile, in place: p_j = 2^(s_j · c − top) (the weights, from the row's
+// base-2 log-sum-exp top) and ds_j = p_j (dp_j − delta) for the keys the row may see (j < seen),
+// both 0 for the rest of the block's n keys.
+inline void tile_gradients(float* p, float* ds, int64_t seen, int64_t n, float c, float top,
+                           float delta) {
+  const Vec vc(c), vtop(top), vdelta(delta);
+  for (int64_t j = 0; j < seen; j += kLanes) {
+    const int64_t count = std::min(kLanes, seen - j);
+    const Vec weight = exp2_vec(at::vec::fmsub(Vec::loadu(p + j, count), vc, vtop), kExp2Degree5);
+    weight.store(p + j, count);
+    (weight * (Vec::loadu(ds + j, count) - vdelta)).store(ds + j, count);
   }
-  constexpr bool vector_weights = true;
-#else
-  constexpr bool vector_weights = f32;
-#endif
-  if constexpr (vector_weights) {
-    for (; j < n; j += 16) {  // the last keys, in as many lanes as are left
-      const __mmask16 lanes = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
-      const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(lanes, s + j), vc, vm);
-      tops = _mm512_mask_max_ps(tops, lanes, x, tops);
-      const __m512 e = weight_exp2<P>(x);
-      sums = _mm512_mask_add_ps(sums, lanes, sums, e);
-      if constexpr (f32) {
-        _mm512_mask_storeu_ps(p + j, lanes, e);
-      } else {
-#if defined(__AVX512BF16__)
-        _mm256_mask_storeu_epi16(p + j, lanes, (__m256i)_mm512_cvtneps_pbh(e));
-#endif
-      }
-    }
-  }
-  row = {_mm512_reduce_add_ps(sums), _mm512_reduce_max_ps(tops)};
-#endif
-  for (; j < n; ++j) {  // without AVX-512 (or bfloat16 conversions): one at a time
-    const float x = s[j] * c - m;
-    row.top = x > row.top ? x : row.top;
-    const float e = exp2_scalar(x);
-    row.sum += e;
-    p[j] = P(e);
-  }
-  return row;
+  std::fill(p + seen, p + n, 0.f);
+  std::fill(ds + seen, ds + n, 0.f);
 }
 
 // Keys and values in the order the products read them.
-//   float32:  kt = kᵀ per head (N, D, S); v as given.
+//   float32, own tiles: kᵀ in column panels of kPanel columns, zero-padded (N, ⌈S / kPanel⌉,
+//             D, kPanel); v as given (its rows are the panels' rows, kDepth of them at a time).
+//   float32, otherwise: kt = kᵀ per head (N, D, S); v as given.
 //   bfloat16: per key block, kᵀ (D, Bk) and v (Bk, Dv) in pairs-of-rows order: element
 //             (r, c) of a (R, C) matrix at [(r / 2) · C + c] · 2 + r % 2, zero-padded to what
 //             the products read: kᵀ to a whole 32-key group, v to an even number of rows (the
@@ -344,10 +348,26 @@ struct Operands {
 };
 
 template <typename T>
-Operands arrange(const at::Tensor& k, const at::Tensor& v, int64_t key_blocks) {
+Operands arrange(const at::Tensor& k, const at::Tensor& v, int64_t key_blocks, bool panels) {
   const int64_t N = k.size(0), S = k.size(1), D = k.size(2), Dv = v.size(2);
   if constexpr (std::is_same_v<T, float>) {
-    return {k.transpose(1, 2).contiguous(), v};
+    if (!panels) return {k.transpose(1, 2).contiguous(), v};
+    // kᵀ's columns j0 … j0 + kPanel − 1 of head h, (D, kPanel), per unit z = h · key_panels + …
+    const int64_t key_panels = (S + kPanel - 1) / kPanel;
+    auto keys = at::empty({N, key_panels, D, kPanel}, k.options());
+    const float* kd = k.const_data_ptr<float>();
+    float* kp = keys.data_ptr<float>();
+    at::parallel_for(0, N * key_panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t z = begin; z < end; ++z) {
+        const int64_t h = z / key_panels, j0 = (z % key_panels) * kPanel;
+        float* to = kp + z * D * kPanel;
+        for (int64_t c = 0; c < kPanel; ++c) {
+          const float* from = kd + (h * S + j0 + c) * D;
+          for (int64_t d = 0; d < D; ++d) to[d * kPanel + c] = j0 + c < S ? from[d] : 0.f;
+        }
+      }
+    });
+    return {keys, v};
   } else {
     const int64_t De = (D + 1) / 2 * 2;
     auto keys = at::empty({N, key_blocks, De * kKeyBlock}, k.options());
@@ -370,18 +390,8 @@ Operands arrange(const at::Tensor& k, const at::Tensor& v, int64_t key_blocks) {
           const auto* from = reinterpret_cast<const uint32_t*>(kh);
           auto* to = reinterpret_cast<uint32_t*>(kb);
           const int64_t pairs = D / 2;
+          // Key by key: each key's words are read once, in order (this runs once per call).
           int64_t j = 0;
-#if defined(__AVX512F__)
-          // 16 keys at a time: row i of the block gets one whole cache line (a gather of the
-          // 16 keys' i-th words).
-          const __m512i offsets = _mm512_mullo_epi32(
-              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-              _mm512_set1_epi32(static_cast<int>(pairs)));
-          for (; j + 16 <= kn; j += 16)
-            for (int64_t i = 0; i < pairs; ++i)
-              _mm512_storeu_si512(
-                  to + i * kKeyBlock + j, _mm512_i32gather_epi32(offsets, from + j * pairs + i, 4));
-#endif
           for (; j < kn; ++j)
             for (int64_t i = 0; i < pairs; ++i) to[i * kKeyBlock + j] = from[j * pairs + i];
           const int64_t kn32 = std::min(kKeyBlock, (kn + 31) / 32 * 32);
@@ -450,10 +460,130 @@ ScoreRules score_rules(double softcap, const at::Tensor& slopes, int64_t heads, 
   return {static_cast<float>(softcap), slopes.const_data_ptr<float>(), S - Lq};
 }
 
+// c (M, N) = a (M, K) · b (K, N), or c += a · b (add), float32, rows with leading dims lda, ldb,
+// ldc, on the vector units: c is cut into register tiles of kTileRows rows × kTileVectors
+// vectors, each summed over all K in registers (kTileRows · kTileVectors accumulators, as many as
+// the ISA's registers hold besides the b vectors and the broadcast a value), then written once.
+// Column panels go outermost, so that the b panel one column strip reads (K × a tile's width)
+// stays in the L1 cache while every row tile runs over it.
+
+// One register tile: Rows rows of a, Columns = kTileVectors · kLanes columns of b, of which the
+// first `width` count (Partial: fewer than all; the last vector is read and written in part).
+template <int Rows, bool Partial>
+inline void product_tile(int64_t K, int64_t width, const float* a, int64_t lda, int64_t step,
+                         const float* b, int64_t ldb, float* c, int64_t ldc, bool add) {
+  const auto load = [&](const float* x, int v) {
+    return Partial && (v + 1) * kLanes > width ? Vec::loadu(x, std::max<int64_t>(0, width - v * kLanes))
+                                               : Vec::loadu(x);
+  };
+  Vec acc[Rows][kTileVectors];
+  for (int r = 0; r < Rows; ++r)
+    for (int v = 0; v < kTileVectors; ++v)
+      acc[r][v] = add ? load(c + r * ldc + v * kLanes, v) : Vec(0.f);
+  for (int64_t d = 0; d < K; ++d) {
+    Vec bv[kTileVectors];
+    for (int v = 0; v < kTileVectors; ++v) bv[v] = load(b + d * ldb + v * kLanes, v);
+    for (int r = 0; r < Rows; ++r) {
+      const Vec ar(a[r * lda + d * step]);
+      for (int v = 0; v < kTileVectors; ++v) acc[r][v] = at::vec::fmadd(ar, bv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int v = 0; v < kTileVectors; ++v) {
+      const int64_t left = width - v * kLanes;
+      if (!Partial || left >= kLanes) acc[r][v].store(c + r * ldc + v * kLanes);
+      else if (left > 0) acc[r][v].store(c + r * ldc + v * kLanes, left);
+    }
+}
+
+// product_tile for the rows left below the last whole row tile (fewer than kTileRows).
+template <bool Partial, int Rows = kTileRows - 1>
+inline void product_rest(int64_t rows, int64_t K, int64_t width, const float* a, int64_t lda,
+                         int64_t step, const float* b, int64_t ldb, float* c, int64_t ldc,
+                         bool add) {
+  if constexpr (Rows > 0) {
+    if (rows == Rows)
+      return product_tile<Rows, Partial>(K, width, a, lda, step, b, ldb, c, ldc, add);
+    product_rest<Partial, Rows - 1>(rows, K, width, a, lda, step, b, ldb, c, ldc, add);
+  }
+}
+
+template <bool Partial>
+inline void product_panel(int64_t M, int64_t K, int64_t width, const float* a, int64_t lda,
+                          int64_t step, const float* b, int64_t ldb, float* c, int64_t ldc,
+                          bool add) {
+  int64_t r = 0;
+  for (; r + kTileRows <= M; r += kTileRows)
+    product_tile<kTileRows, Partial>(K, width, a + r * lda, lda, step, b, ldb, c + r * ldc, ldc,
+                                     add);
+  if (r < M)
+    product_rest<Partial>(M - r, K, width, a + r * lda, lda, step, b, ldb, c + r * ldc, ldc, add);
+}
+
+// a's element (r, d) is at a[r · lda + d · step] (step 1: row-major; lda 1: a transposed).
+// b comes in column panels of kPanel columns, panel i at b + i · panel_stride, its rows ldb apart
+// (arrange packs kᵀ so, each panel contiguous and the last one zero-padded; a row-major
+// matrix, such as v, is such panels with panel_stride kPanel).
+// The sum over K goes kDepth rows of b at a time, so that the part of b one pass reads stays in
+// the L1 cache (in p · v, K is up to 512 keys: the products waited on the L2 cache). Where that
+// part is small (p · v: kDepth × Dv values), each row tile runs over all of it before the next
+// starts, so that its rows of a are read once; otherwise (q · kᵀ: D × 512) each panel meets
+// all row tiles before the next panel is read.
+constexpr int64_t kDepth = 128;
+constexpr int64_t kL1Floats = 8192;  // 32 KiB: most of an L1 data cache
+
+inline void product_tiles(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
+                          int64_t step, const float* b, int64_t ldb, int64_t panel_stride,
+                          float* c, int64_t ldc, bool add) {
+  for (int64_t d0 = 0; d0 < K; d0 += kDepth) {
+    const int64_t depth = std::min(kDepth, K - d0);
+    const bool sum = add || d0 > 0;
+    // Rows of a (from a_rows) times every panel of this part of b, into c_rows.
+    const auto panels = [&](int64_t rows, const float* a_rows, float* c_rows) {
+      const float* panel = b + d0 * ldb;
+      int64_t j = 0;
+      for (; j + kPanel <= N; j += kPanel, panel += panel_stride)
+        product_panel<false>(rows, depth, kPanel, a_rows, lda, step, panel, ldb, c_rows + j, ldc,
+                             sum);
+      if (j < N)
+        product_panel<true>(rows, depth, N - j, a_rows, lda, step, panel, ldb, c_rows + j, ldc,
+                            sum);
+    };
+    if (N * depth > kL1Floats) {
+      panels(M, a + d0 * step, c);
+      continue;
+    }
+    for (int64_t r = 0; r < M; r += kTileRows)
+      panels(std::min<int64_t>(kTileRows, M - r), a + r * lda + d0 * step, c + r * ldc);
+  }
+}
+
+// Where the kernel's float32 products run (kernel.py's GEMM): its own register tiles
+// (product_tiles, on kᵀ packed in panels), cpublas::brgemm (oneDNN's micro-kernels from AVX2
+// up, torch's own gemm where there are none) or torch's matrix multiply (MKL or OpenBLAS for the
+// ISA the CPU has, one thread inside the kernel's threads) on tensors that view the buffers.
+enum class Products : int64_t { kTiles = 0, kBrgemm = 1, kBlas = 2 };
+
+// product_tiles' alternatives (plain row-major b).
+inline void product(Products path, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
+                    int64_t ldc, bool add, const float* a, const float* b, float* c) {
+  if (path == Products::kBrgemm)
+    return at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, a, b, c, false);
+  const auto view = [](const float* x, int64_t rows, int64_t columns, int64_t ld) {
+    return at::from_blob(const_cast<float*>(x), {rows, columns}, {ld, 1}, at::kFloat);
+  };
+  at::Tensor result = view(c, M, N, ldc);
+  if (add) {
+    at::addmm_out(result, result, view(a, M, K, lda), view(b, K, N, ldb));
+  } else {
+    at::mm_out(result, view(a, M, K, lda), view(b, K, N, ldb));
+  }
+}
+
 template <typename T>
 std::vector<at::Tensor> forward_impl(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
-    const KeyBounds& bounds, const ScoreRules& rules) {
+    const KeyBounds& bounds, const ScoreRules& rules, Products path) {
   constexpr bool low = std::is_same_v<T, at::BFloat16>;
   using P = std::conditional_t<low, T, float>;  // the weights' type
   const int64_t NG = q.size(0), Lq = q.size(1), D = q.size(2);
@@ -470,7 +600,8 @@ std::vector<at::Tensor> forward_impl(
   auto lse = at::empty({NG, Lq}, q.options().dtype(at::kFloat));
   at::Tensor q_even = q;  // bfloat16 products need an even feature count
   if (low && De != D) q_even = at::constant_pad_nd(q, {0, 1});
-  const Operands ops = arrange<T>(k, v, key_blocks);
+  const Operands ops = arrange<T>(k, v, key_blocks, path == Products::kTiles);
+  const int64_t key_panels = (S + kPanel - 1) / kPanel;
 
   const T* qd = q_even.const_data_ptr<T>();
   const T* kd = ops.keys.const_data_ptr<T>();
@@ -483,9 +614,6 @@ std::vector<at::Tensor> forward_impl(
   std::atomic<int64_t> next_block{0};
   const int64_t blocks = NG * query_blocks;
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    // Flush-to-zero: 2^x below 2^-126 becomes 0 (exp2_avx512) without slow subnormal results.
-    const unsigned int control = _mm_getcsr();
-    _mm_setcsr(control | _MM_FLUSH_ZERO_ON);
     Scratch<float> scores(kQueryBlock * kScoreStride), acc(kQueryBlock * Dv);
     std::vector<float> m(kQueryBlock), l(kQueryBlock);
     Scratch<P> weights(kQueryBlock * kWeightStride);
@@ -504,8 +632,10 @@ std::vector<at::Tensor> forward_impl(
         const auto [lo, hi] = bounds.row(head, q0 + r);
         if (lo < hi) keys_begin = std::min(keys_begin, lo), keys_end = std::max(keys_end, hi);
       }
-      // (bfloat16 keys and values are arranged by whole key blocks: start at one)
-      const int64_t keys_start = low ? keys_begin / kKeyBlock * kKeyBlock : keys_begin;
+      // (bfloat16 keys and values are arranged by whole key blocks, and the tiles' kᵀ by whole
+      // panels: start at one)
+      const int64_t align = low ? kKeyBlock : path == Products::kTiles ? kPanel : 1;
+      const int64_t keys_start = keys_begin / align * align;
       for (int64_t k0 = keys_start; k0 < keys_end; k0 += kKeyBlock) {
         const int64_t kn = std::min(kKeyBlock, keys_end - k0), block = k0 / kKeyBlock;
         float* s = scores.data();
@@ -514,9 +644,11 @@ std::vector<at::Tensor> forward_impl(
           at::native::cpublas::brgemm(
               rows, kn32, De, De, kKeyBlock, kScoreStride, false, q_block,
               kd + (kv * key_blocks + block) * De * kKeyBlock, s, true);
+        } else if (path == Products::kTiles) {  // kᵀ's panels k0 / kPanel …
+          product_tiles(rows, kn, D, q_block, D, 1, kd + (kv * key_panels * kPanel + k0) * D,
+                        kPanel, D * kPanel, s, kScoreStride, false);
         } else {
-          at::native::cpublas::brgemm(
-              rows, kn, D, D, S, kScoreStride, false, q_block, kd + kv * D * S + k0, s, false);
+          product(path, rows, kn, D, D, S, kScoreStride, false, q_block, kd + kv * D * S + k0, s);
         }
         for (int64_t r = 0; r < rows; ++r) {
           // Keys first … seen − 1 of this block row r may see; the rest of its p is 0.
@@ -563,10 +695,13 @@ std::vector<at::Tensor> forward_impl(
           at::native::cpublas::brgemm(
               rows, Dv, (kn + 1) / 2 * 2, kWeightStride, Dv, Dv, true, weights.data(),
               vd + (kv * key_blocks + block) * kKeyBlock * Dv, acc.data(), true);
+        } else if (path == Products::kTiles) {  // v as it lies
+          product_tiles(rows, Dv, kn, weights.data(), kWeightStride, 1,
+                        vd + (kv * S + k0) * Dv, Dv, kPanel, acc.data(),
+                        Dv, true);
         } else {
-          at::native::cpublas::brgemm(
-              rows, Dv, kn, kWeightStride, Dv, Dv, true, weights.data(), vd + (kv * S + k0) * Dv,
-              acc.data(), false);
+          product(path, rows, Dv, kn, kWeightStride, Dv, Dv, true, weights.data(),
+                  vd + (kv * S + k0) * Dv, acc.data());
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
@@ -578,131 +713,84 @@ std::vector<at::Tensor> forward_impl(
       }
     }
     if constexpr (low) at::native::cpublas::brgemm_release(true);
-    _mm_setcsr(control);
   });
   return {out, lse};
 }
 
-// 16 float32 values from x (float32 or bfloat16, widened), the lanes not in `lanes` 0.
-#if defined(__AVX512F__)
+// float32 values from x (float32 or bfloat16, widened): a whole vector, or its first count
+// lanes (the rest 0).
 template <typename T>
-inline __m512 load16(const T* x, __mmask16 lanes) {
+inline Vec load_float(const T* x) {
   if constexpr (std::is_same_v<T, float>) {
-    return _mm512_maskz_loadu_ps(lanes, x);
-  } else {  // bfloat16: the upper half of a float32
-    const __m256i bits = _mm256_maskz_loadu_epi16(lanes, x);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    return Vec::loadu(x);
+  } else {
+    Vec out;
+    at::vec::load_fp32_from_bf16(x, out);
+    return out;
   }
 }
 
-// Lane i of the result: the sum of v[i]'s 16 lanes. Pairs of vectors are added lane-wise after
-// shuffles that line up their partial sums, halving the count at each step (45 instructions for
-// what 16 separate reductions would do in about 130).
-inline __m512 lane_sums(const __m512 (&v)[16]) {
-  __m512 t[8], w[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: v2i[0]+v2i[2], v2i+1[0]+v2i+1[2], ...
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per 128-bit lane: that lane's sums of v4i ... v4i+3
-    w[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const auto halves = [](__m512 a, __m512 b) {  // a's lanes 0+1, 2+3, then b's
-    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
-  };
-  return halves(halves(w[0], w[1]), halves(w[2], w[3]));
+template <typename T>
+inline Vec load_float(const T* x, int64_t count) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(x, count);
+  } else {
+    return std::get<0>(at::vec::convert_bfloat16_float(at::vec::Vectorized<T>::loadu(x, count)));
+  }
 }
 
-// The lanes of the c-th 16-value chunk of a row of n values.
-inline __mmask16 chunk_lanes(int64_t n, int64_t c) {
-  const int64_t left = std::clamp<int64_t>(n - 16 * c, 0, 16);
-  return static_cast<__mmask16>((1u << left) - 1);
+// q · key over D features, q float32, in one vector of partial sums (summed by the caller).
+template <typename T>
+inline Vec dot_lanes(const float* q, const T* key, int64_t D) {
+  Vec acc(0.f);
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes) acc = at::vec::fmadd(Vec::loadu(q + d), load_float(key + d), acc);
+  if (d < D) acc = at::vec::fmadd(Vec::loadu(q + d, D - d), load_float(key + d, D - d), acc);
+  return acc;
 }
-
-// dot_rows for rows of at most 16 · C values, held in C registers.
-template <int C, typename T>
-void dot_rows_in_registers(const float* q, const T* k, int64_t stride, int64_t n, int64_t D,
-                           float* s) {
-  __mmask16 lanes[C];
-  __m512 query[C];
-  for (int c = 0; c < C; ++c) {
-    lanes[c] = chunk_lanes(D, c);
-    query[c] = _mm512_maskz_loadu_ps(lanes[c], q + 16 * c);
-  }
-  const auto dot = [&](const T* key) {  // 16 products, summed across lanes by the caller
-    __m512 acc = _mm512_mul_ps(query[0], load16(key, lanes[0]));
-    for (int c = 1; c < C; ++c)
-      acc = _mm512_fmadd_ps(query[c], load16(key + 16 * c, lanes[c]), acc);
-    return acc;
-  };
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    __m512 sums[16];
-    for (int i = 0; i < 16; ++i) sums[i] = dot(k + (j + i) * stride);
-    _mm512_storeu_ps(s + j, lane_sums(sums));
-  }
-  for (; j < n; ++j) s[j] = _mm512_reduce_add_ps(dot(k + j * stride));
-}
-
-// weighted_sum for rows of at most 16 · C values, summed in C registers.
-template <int C, typename T>
-void weighted_sum_in_registers(const float* p, const T* v, int64_t stride, int64_t n, int64_t Dv,
-                               float* out) {
-  __mmask16 lanes[C];
-  __m512 acc[C];
-  for (int c = 0; c < C; ++c) {
-    lanes[c] = chunk_lanes(Dv, c);
-    acc[c] = _mm512_setzero_ps();
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    const __m512 weight = _mm512_set1_ps(p[j]);
-    for (int c = 0; c < C; ++c)
-      acc[c] = _mm512_fmadd_ps(weight, load16(v + j * stride + 16 * c, lanes[c]), acc[c]);
-  }
-  for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(out + 16 * c, lanes[c], acc[c]);
-}
-#endif
 
 // s_j = q · k_j for j < n, with k_j at k + j · stride (D contiguous values each).
 template <typename T>
 void dot_rows(const float* q, const T* k, int64_t stride, int64_t n, int64_t D, float* s) {
-#if defined(__AVX512F__)
-  switch ((D + 15) / 16) {
-    case 1: return dot_rows_in_registers<1>(q, k, stride, n, D, s);
-    case 2: return dot_rows_in_registers<2>(q, k, stride, n, D, s);
-    case 3: return dot_rows_in_registers<3>(q, k, stride, n, D, s);
-    case 4: return dot_rows_in_registers<4>(q, k, stride, n, D, s);
-    default: break;  // longer rows: below
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {  // four keys at a time: four independent chains of sums
+    const Vec a0 = dot_lanes(q, k + j * stride, D), a1 = dot_lanes(q, k + (j + 1) * stride, D);
+    const Vec a2 = dot_lanes(q, k + (j + 2) * stride, D), a3 = dot_lanes(q, k + (j + 3) * stride, D);
+    s[j] = sum_lanes(a0), s[j + 1] = sum_lanes(a1), s[j + 2] = sum_lanes(a2), s[j + 3] = sum_lanes(a3);
   }
-#endif
-  for (int64_t j = 0; j < n; ++j) {
-    const T* key = k + j * stride;
-    float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-    for (int64_t d = 0; d < D; ++d) dot += q[d] * static_cast<float>(key[d]);
-    s[j] = dot;
-  }
+  for (; j < n; ++j) s[j] = sum_lanes(dot_lanes(q, k + j * stride, D));
 }
 
-// out = Σ_{j < n} p_j v_j, with v_j at v + j · stride (Dv contiguous values each).
+// out = Σ_{j < n} p_j v_j, with v_j at v + j · stride (Dv contiguous values each): 64 output
+// features at a time, summed in 64 / kLanes registers.
 template <typename T>
 void weighted_sum(const float* p, const T* v, int64_t stride, int64_t n, int64_t Dv, float* out) {
-  int64_t e0 = 0;
-#if defined(__AVX512F__)
-  for (; e0 < Dv; e0 += 64) {  // 64 output features at a time
-    const int64_t width = std::min<int64_t>(64, Dv - e0);
-    switch ((width + 15) / 16) {
-      case 1: weighted_sum_in_registers<1>(p, v + e0, stride, n, width, out + e0); break;
-      case 2: weighted_sum_in_registers<2>(p, v + e0, stride, n, width, out + e0); break;
-      case 3: weighted_sum_in_registers<3>(p, v + e0, stride, n, width, out + e0); break;
-      default: weighted_sum_in_registers<4>(p, v + e0, stride, n, width, out + e0); break;
+  constexpr int64_t kGroup = 64, kChunks = kGroup / kLanes;
+  for (int64_t e0 = 0; e0 < Dv; e0 += kGroup) {
+    const int64_t width = std::min(kGroup, Dv - e0);
+    Vec acc[kChunks];
+    for (auto& a : acc) a = Vec(0.f);
+    if (width == kGroup) {
+      for (int64_t j = 0; j < n; ++j) {
+        const Vec weight(p[j]);
+        const T* row = v + j * stride + e0;
+        for (int64_t c = 0; c < kChunks; ++c)
+          acc[c] = at::vec::fmadd(weight, load_float(row + c * kLanes), acc[c]);
+      }
+      for (int64_t c = 0; c < kChunks; ++c) acc[c].store(out + e0 + c * kLanes);
+      continue;
     }
-  }
-#endif
-  for (int64_t e = e0; e < Dv; ++e) {
-    float sum = 0.f;
-    for (int64_t j = 0; j < n; ++j) sum += p[j] * static_cast<float>(v[j * stride + e]);
-    out[e] = sum;
+    const int64_t chunks = (width + kLanes - 1) / kLanes;  // the last group's: fewer, the last partial
+    for (int64_t j = 0; j < n; ++j) {
+      const Vec weight(p[j]);
+      const T* row = v + j * stride + e0;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t count = std::min(kLanes, width - c * kLanes);
+        acc[c] = at::vec::fmadd(weight, load_float(row + c * kLanes, count), acc[c]);
+      }
+    }
+    for (int64_t c = 0; c < chunks; ++c)
+      acc[c].store(out + e0 + c * kLanes, std::min(kLanes, width - c * kLanes));
   }
 }
 
@@ -729,8 +817,6 @@ std::vector<at::Tensor> decode_impl(
   const int64_t row_work = std::max<int64_t>(1, S * (D + Dv));
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / row_work);
   at::parallel_for(0, NG * Lq, grain, [&](int64_t begin, int64_t end) {
-    const unsigned int control = _mm_getcsr();
-    _mm_setcsr(control | _MM_FLUSH_ZERO_ON);  // as in forward_impl
     std::vector<float> query(D), p(S);
     for (int64_t z = begin; z < end; ++z) {
       const int64_t head = z / Lq, i = z % Lq;
@@ -757,7 +843,6 @@ std::vector<at::Tensor> decode_impl(
       }
       ld[z] = row_lse(m, l);
     }
-    _mm_setcsr(control);
   });
   return {out, lse};
 }
@@ -821,23 +906,134 @@ at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k_new, const at::T
 
 std::vector<at::Tensor> forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
-    int64_t offset, const at::Tensor& ranges, int64_t heads_per_range, double softcap,
-    const at::Tensor& slopes) {
+    int64_t offset, int64_t products, const at::Tensor& ranges, int64_t heads_per_range,
+    double softcap, const at::Tensor& slopes) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "need contiguous");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type());
   TORCH_CHECK(k.size(0) > 0 && q.size(0) % k.size(0) == 0, "heads must group");
   const KeyBounds bounds = key_bounds(causal, offset, k.size(1), q.size(1), ranges, heads_per_range);
   const ScoreRules rules = score_rules(softcap, slopes, q.size(0), k.size(1), q.size(1));
+  const auto path = static_cast<Products>(products);
   if (q.scalar_type() == at::kBFloat16) {
-    return forward_impl<at::BFloat16>(q, k, v, scale, causal, bounds, rules);
+    return forward_impl<at::BFloat16>(q, k, v, scale, causal, bounds, rules, path);
   }
   TORCH_CHECK(q.scalar_type() == at::kFloat, "float32 or bfloat16");
-  return forward_impl<float>(q, k, v, scale, causal, bounds, rules);
+  return forward_impl<float>(q, k, v, scale, causal, bounds, rules, path);
 }
 
-// Whether this CPU runs bfloat16 products in matrix units (otherwise bfloat16 goes as float32).
-bool bfloat16_products() { return at::native::cpublas::could_pack(at::kBFloat16); }
+// One head's x (S, D) as xᵀ in column panels, zero-padded: (⌈S / kPanel⌉, D, kPanel), the
+// layout product_tiles reads kᵀ from (as arrange packs it for the forward pass).
+void pack_transposed(const float* x, int64_t S, int64_t D, float* to) {
+  for (int64_t j0 = 0; j0 < S; j0 += kPanel, to += D * kPanel)
+    for (int64_t c = 0; c < kPanel; ++c) {
+      const float* row = x + (j0 + c) * D;
+      for (int64_t d = 0; d < D; ++d) to[d * kPanel + c] = j0 + c < S ? row[d] : 0.f;
+    }
+}
+
+// The backward pass of the forward above (float32; the caller widens other dtypes), for the
+// keys given: with P = exp(s · scale − lse) recomputed per tile from the saved lse (the final
+// one, over all keys), dP = dO · Vᵀ, delta = Σ_e dO · O (per row) and dS = P ∘ (dP − delta):
+//
+//     dV += Pᵀ · dO        dK += scale · dSᵀ · Q        dQ += scale · dS · K
+//
+// Deterministic, without atomics: each task owns one key/value head (and its query heads) and
+// a contiguous share of its query blocks, and sums into its own dK and dV, in a fixed order;
+// where there are fewer heads than threads, a head's query blocks are split into parts whose
+// dK and dV are added up in order at the end. Rows with lse = −inf (no key) get P = 0.
+std::vector<at::Tensor> backward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& dout, const at::Tensor& lse, double scale, bool causal, int64_t offset) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+              v.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
+              dout.scalar_type() == at::kFloat && lse.scalar_type() == at::kFloat, "float32");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() &&
+              dout.is_contiguous() && lse.is_contiguous(), "need contiguous");
+  TORCH_CHECK(k.size(0) > 0 && q.size(0) % k.size(0) == 0, "heads must group");
+  const int64_t NG = q.size(0), Lq = q.size(1), D = q.size(2);
+  const int64_t N = k.size(0), S = k.size(1), Dv = v.size(2), g = NG / N;
+  const int64_t query_blocks = (Lq + kQueryBlock - 1) / kQueryBlock;
+  const float c = static_cast<float>(scale) * kLog2E;
+  const at::Tensor delta = (dout * out).sum(-1).contiguous();  // (NG, Lq)
+  // In base 2, as the scores; +inf where there is no key, so that 2^(s · c − lse) = 0.
+  const at::Tensor lse2 = at::where(lse == kNegInf, -kNegInf, lse * kLog2E).contiguous();
+  const int64_t key_panels = (S + kPanel - 1) / kPanel;
+  // Parts per head: enough tasks for every thread, never more parts than query blocks.
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = std::clamp<int64_t>((threads + N - 1) / N, 1, std::max<int64_t>(1, query_blocks));
+  auto dq = at::empty({NG, Lq, D}, q.options());
+  auto dk_parts = at::zeros({parts, N, S, D}, k.options());
+  auto dv_parts = at::zeros({parts, N, S, Dv}, v.options());
+  const float *qd = q.const_data_ptr<float>(), *kd = k.const_data_ptr<float>();
+  const float *od = dout.const_data_ptr<float>(), *ld = lse2.const_data_ptr<float>();
+  const float *dd = delta.const_data_ptr<float>(), *vd = v.const_data_ptr<float>();
+  float *dqd = dq.data_ptr<float>(), *dkd = dk_parts.data_ptr<float>();
+  float* dvd = dv_parts.data_ptr<float>();
+  at::parallel_for(0, N * parts, 1, [&](int64_t begin, int64_t end) {
+    Scratch<float> weights(kQueryBlock * kScoreStride), grads(kQueryBlock * kScoreStride);
+    Scratch<float> dq_block(kQueryBlock * D);
+    // This task's head's kᵀ and vᵀ in panels (packed per task: a head at a time, not all heads).
+    Scratch<float> key_panels_of(key_panels * kPanel * D), value_panels_of(key_panels * kPanel * Dv);
+    const float *kp = key_panels_of.data(), *vp = value_panels_of.data();
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kv = task / parts, part = task % parts;
+      pack_transposed(kd + kv * S * D, S, D, key_panels_of.data());
+      pack_transposed(vd + kv * S * Dv, S, Dv, value_panels_of.data());
+      const int64_t first = query_blocks * part / parts, last = query_blocks * (part + 1) / parts;
+      float* dk_head = dkd + (part * N + kv) * S * D;
+      float* dv_head = dvd + (part * N + kv) * S * Dv;
+      for (int64_t head = kv * g; head < (kv + 1) * g; ++head) {
+        for (int64_t i = first; i < last; ++i) {
+          const int64_t q0 = i * kQueryBlock, rows = std::min(kQueryBlock, Lq - q0);
+          const float* q_block = qd + (head * Lq + q0) * D;
+          const float* dout_block = od + (head * Lq + q0) * Dv;
+          const int64_t keys_end = causal ? std::clamp<int64_t>(q0 + rows + offset, 0, S) : S;
+          std::fill(dq_block.begin(), dq_block.end(), 0.f);
+          for (int64_t k0 = 0; k0 < keys_end; k0 += kKeyBlock) {
+            const int64_t kn = std::min(kKeyBlock, keys_end - k0);
+            float *p = weights.data(), *ds = grads.data();
+            product_tiles(rows, kn, D, q_block, D, 1, kp + k0 * D, kPanel, D * kPanel, p,
+                          kScoreStride, false);  // s = q · kᵀ
+            product_tiles(rows, kn, Dv, dout_block, Dv, 1, vp + k0 * Dv, kPanel, Dv * kPanel, ds,
+                          kScoreStride, false);  // dP = dO · vᵀ
+            for (int64_t r = 0; r < rows; ++r) {
+              const int64_t seen = causal ? std::clamp<int64_t>(q0 + r + offset + 1 - k0, 0, kn) : kn;
+              const float top = ld[head * Lq + q0 + r], row_delta = dd[head * Lq + q0 + r];
+              tile_gradients(p + r * kScoreStride, ds + r * kScoreStride, seen, kn, c, top, row_delta);
+            }
+            product_tiles(kn, Dv, rows, p, 1, kScoreStride, dout_block, Dv, kPanel,
+                          dv_head + k0 * Dv, Dv, true);  // dV += Pᵀ · dO
+            product_tiles(kn, D, rows, ds, 1, kScoreStride, q_block, D, kPanel, dk_head + k0 * D,
+                          D, true);  // dK += dSᵀ · q (scaled at the end)
+            product_tiles(rows, D, kn, ds, kScoreStride, 1, kd + (kv * S + k0) * D, D, kPanel,
+                          dq_block.data(), D, true);  // dQ += dS · k
+          }
+          float* dq_rows = dqd + (head * Lq + q0) * D;
+          for (int64_t e = 0; e < rows * D; ++e) dq_rows[e] = dq_block[e] * static_cast<float>(scale);
+        }
+      }
+    }
+  });
+  at::Tensor dk = parts == 1 ? dk_parts[0] : dk_parts.sum(0);  // parts added up in order
+  at::Tensor dv = parts == 1 ? dv_parts[0] : dv_parts.sum(0);
+  return {dq, dk.mul_(scale), dv};
+}
+
+// Whether oneDNN runs bfloat16 products on this CPU's matrix units (AMX).
+bool bfloat16_matrix_units() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+#define QKV_STRING(x) #x
+#define QKV_EXPANDED_STRING(x) QKV_STRING(x)
+
+// What this build runs: ATen's vector capability and width.
+pybind11::dict build_info() {
+  pybind11::dict info;
+  info["capability"] = QKV_EXPANDED_STRING(CPU_CAPABILITY);
+  info["vector_bits"] = kLanes * 32;
+  return info;
+}
 
 }  // namespace
 
@@ -845,5 +1041,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("forward", &forward, "flash forward: (out, lse)");
   module.def("decode", &decode, "flash forward for a few queries, k and v strided: (out, lse)");
   module.def("decode_step", &decode_step, "write new keys/values into a KV cache's buffers, attend");
-  module.def("bfloat16_products", &bfloat16_products);
+  module.def("backward", &backward, "flash backward: (dq, dk, dv), float32");
+  module.def("bfloat16_matrix_units", &bfloat16_matrix_units);
+  module.def("build_info", &build_info, "capability, vector width");
 }

@@ -4,17 +4,29 @@ The kernel runs the forward recurrence of ``loop.py`` for calls without a mask (
 a window and packed sequences given as each query row's range of keys), one query block
 of one head at a time in cache-sized buffers, with one fused exp/sum pass per key block. Calls
 with fewer than ``DECODE_QUERIES`` queries (decoding) take its other path: one query row at a
-time, K/V read where they lie, so a KV cache's buffer is never copied.
+time, K/V read where they lie, so a KV cache's buffer is never copied. Its backward pass
+(``backward``) recomputes each tile's weights from the saved log-sum-exp and sums dQ, dK and dV
+per block, in a fixed order (the same bits on every run).
 
-The kernel is compiled the first time it is needed, for the machine it runs on
-(``-march=native``), with torch's C++ extension tooling (a C++ compiler and ninja), and cached by
-torch under ``~/.cache/torch_extensions`` (``TORCH_EXTENSIONS_DIR`` moves it), so only the first
-use in a fresh environment pays the ~30 s build. The cached build is named after the CPU's
-feature flags and the source's hash, so a cache shared by different machines or different
-versions of qkv never hands one a build for another's instruction set or another's source.
-Where it cannot be built, qkv warns once; flash then runs its PyTorch loop, which computes the
-same thing more slowly, and ``"auto"`` picks torch's kernel instead.
-``QKV_FLASH_KERNEL=0`` (or ``ENABLED = False``) skips the kernel without trying.
+The kernel is compiled the first time it is needed with torch's C++ extension tooling (a C++
+compiler and ninja), and cached by torch under ``~/.cache/torch_extensions``
+(``TORCH_EXTENSIONS_DIR`` moves it), so only the first use in a fresh environment pays the
+~1 min build. Its vector passes are written on ATen's portable vector type
+(``at::vec::Vectorized<float>``), so one source compiles to AVX-512, AVX2, NEON or plain C++;
+``QKV_FLASH_ISA`` picks the instruction set:
+
+- ``native`` (the default): everything the running CPU has (``-march=native``), with ATen's
+  vectors as wide as its best ISA (AVX-512, else AVX2; NEON on aarch64);
+- ``avx512``: AVX-512 (F, BW, VL, DQ) and nothing newer, 512-bit vectors;
+- ``avx2``: AVX2, FMA and F16C, 256-bit vectors: what a CPU without AVX-512 runs, built and
+  measured on one that has it.
+
+The cached build is named after the ISA, the CPU's feature flags and the source's hash, so a
+cache shared by different machines or different versions of qkv never hands one a build for
+another's instruction set or another's source. Where it cannot be
+built, qkv warns once; flash then runs its PyTorch loop, which computes the same thing more
+slowly, and ``"auto"`` picks torch's kernel instead. ``QKV_FLASH_KERNEL=0`` (or
+``ENABLED = False``) skips the kernel without trying. ``build_info()`` says what was built.
 """
 
 from __future__ import annotations
@@ -36,34 +48,155 @@ ENABLED = os.environ.get("QKV_FLASH_KERNEL", "1") != "0"
 # which reads K/V where they lie (a KV cache's buffer) instead of rearranging them into blocks.
 DECODE_QUERIES = 16
 
-_SOURCE = Path(__file__).with_name("flash_cpu.cpp")
-_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+# The instruction set the kernel is built for: "native", "avx512" or "avx2" (see above).
+ISA = os.environ.get("QKV_FLASH_ISA", "native")
+ISAS = ("native", "avx512", "avx2")
+# Where the float32 products run: "tiles" (the kernel's own register tiles on ATen's vectors),
+# "brgemm" (torch's cpublas::brgemm: oneDNN's micro-kernels) or "blas" (torch's matrix multiply:
+# MKL or OpenBLAS); "auto" picks per build (_default_products).
+GEMM = os.environ.get("QKV_FLASH_GEMM", "auto")
+PRODUCTS = ("tiles", "brgemm", "blas")
+
+SOURCE = Path(__file__).with_name("flash_cpu.cpp")
+_COMMON_FLAGS = ["-O3", "-fopenmp"]
+# ATen's vector headers pick their width from CPU_CAPABILITY_* (as torch's own kernels are
+# built, once per capability); the compiler flags must allow the instructions that width needs.
+_AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]
+_AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 _loaded: dict[str, ModuleType | None] = {}
+_chosen: dict[str, str] = {}
+_bfloat16: dict[str, bool] = {}
+
+
+def capability_flags(isa: str) -> list[str]:
+    """The compiler flags of a build for ``isa`` ("native", "avx512" or "avx2") on this CPU:
+    the instruction set, and the CPU_CAPABILITY that gives ATen's vectors their width."""
+    if isa not in ISAS:
+        raise ValueError(f"QKV_FLASH_ISA: expected one of {', '.join(ISAS)}, got {isa!r}")
+    if isa == "avx512":
+        return [*_AVX512_FLAGS, *_capability("AVX512")]
+    if isa == "avx2":
+        return [*_AVX2_FLAGS, *_capability("AVX2")]
+    flags = cpu_flags()
+    if flags.issuperset(_AVX512_CPU_FLAGS):
+        return ["-march=native", *_capability("AVX512")]
+    if flags.issuperset({"avx2", "fma"}):
+        return ["-march=native", *_capability("AVX2")]
+    return ["-march=native", *_capability("DEFAULT")]  # aarch64 (NEON), or plain C++
+
+
+def _capability(name: str) -> list[str]:
+    defines = [f"-DCPU_CAPABILITY={name}"]
+    return defines if name == "DEFAULT" else [*defines, f"-DCPU_CAPABILITY_{name}"]
+
+
+def _check_cpu_runs(isa: str) -> None:
+    """A ValueError where this x86 CPU lacks the instructions a build for ``isa`` uses (it would
+    stop at its first such instruction); elsewhere the build itself decides."""
+    needs = {"avx512": _AVX512_CPU_FLAGS, "avx2": {"avx2", "fma", "f16c"}}.get(isa, set())
+    flags = cpu_flags()
+    if flags and not flags.issuperset(needs):
+        missing = ", ".join(sorted(needs - flags))
+        raise ValueError(f"QKV_FLASH_ISA: this CPU cannot run {isa!r} (it lacks {missing})")
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's x86 feature flags from /proc/cpuinfo (empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def load() -> ModuleType | None:
     """The compiled kernel module, or None where it is switched off or cannot be built."""
     if not ENABLED:
         return None
-    if "kernel" not in _loaded:
-        _loaded["kernel"] = _build()
-    return _loaded["kernel"]
+    if ISA not in _loaded:
+        _loaded[ISA] = _build(ISA)
+    return _loaded[ISA]
 
 
-def _build() -> ModuleType | None:
+def build_info() -> dict[str, object]:
+    """What the kernel runs on here: the ISA it is built for (``isa``), its float32 vector width
+    in bits, and the matrix-product path of each dtype; ``built`` False (and no more) where it
+    is switched off or could not be built. Builds the kernel if it is not built yet."""
+    module = load()
+    if module is None:
+        return {"isa": ISA, "built": False}
+    info: dict[str, object] = module.build_info()
+    low = "brgemm in bfloat16, float32 sums" if bfloat16_products() else "float32 (widened)"
+    return {
+        "isa": ISA,
+        "built": True,
+        "float32_products": products(),
+        "bfloat16_products": low,
+        **info,
+    }
+
+
+def bfloat16_products() -> bool:
+    """Whether bfloat16 inputs are multiplied in bfloat16 (with float32 sums, by oneDNN's
+    brgemm) rather than widened to float32: where the CPU has bfloat16 matrix units (AMX), or,
+    in a build for this CPU (``native``), AVX-512 bfloat16 dot products (twice float32's rate:
+    bfloat16 at T = 4096 ran in 55 % of the widened time), unless ``ONEDNN_MAX_CPU_ISA`` holds
+    oneDNN below them. False where the kernel is not built."""
+    if ISA not in _bfloat16:
+        module = load()
+        limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+        allowed = limit == "ALL" or "BF16" in limit or "AMX" in limit
+        dot_products = ISA == "native" and "avx512_bf16" in cpu_flags()
+        units = module is not None and module.bfloat16_matrix_units()
+        _bfloat16[ISA] = module is not None and allowed and (units or dot_products)
+    return _bfloat16[ISA]
+
+
+def products() -> str:
+    """Where the float32 products run in this build: ``GEMM``, or for "auto" oneDNN's brgemm in
+    a build with 512-bit vectors (its AVX-512 micro-kernels beat the kernel's own tiles there)
+    and the kernel's own register tiles in every other build (on AVX2, oneDNN's brgemm and
+    torch's BLAS both ran at about torch's own attention speed, the tiles at 1.1-1.6x of it)."""
+    if GEMM == "auto":
+        module = load()
+        wide = module is not None and module.build_info()["vector_bits"] >= 512
+        return "brgemm" if wide else "tiles"
+    if GEMM not in PRODUCTS:
+        raise ValueError(
+            f"QKV_FLASH_GEMM: expected one of auto, {', '.join(PRODUCTS)}, got {GEMM!r}"
+        )
+    return GEMM
+
+
+def _products() -> str:  # products(), worked out once per ISA and GEMM
+    key = f"{ISA}/{GEMM}"
+    if key not in _chosen:
+        _chosen[key] = products()
+    return _chosen[key]
+
+
+def _build(isa: str) -> ModuleType | None:
     try:
+        flags = capability_flags(isa)
+        _check_cpu_runs(isa)
         import ninja  # the build tool torch's extension builder runs
         from torch.utils import cpp_extension
 
         if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
         module: ModuleType = cpp_extension.load(
-            name=f"qkv_flash_cpu_{_cpu_id()}_{_source_id()}",
-            sources=[str(_SOURCE)],
-            extra_cflags=_FLAGS,
+            name=f"qkv_flash_cpu_{isa}_{_cpu_id()}_{_source_id()}",
+            sources=[str(SOURCE)],
+            extra_cflags=[*_COMMON_FLAGS, *flags],
             extra_ldflags=["-fopenmp"],
         )
         return module
+    except ValueError:  # a QKV_FLASH_ISA that names no ISA: the user's mistake, said as such
+        raise
     except Exception as error:  # no compiler, no ninja, a failed build: the loop still works
         warnings.warn(
             f"qkv: flash's compiled CPU kernel is unavailable ({type(error).__name__}: {error}); "
@@ -79,7 +212,7 @@ def _build() -> ModuleType | None:
 def _source_id() -> str:
     """A short hash of the kernel's source: builds of different versions (another checkout of
     qkv sharing the cache) never take each other's place, so none loads a stale build."""
-    return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
 
 
 def _cpu_id() -> str:
@@ -151,7 +284,7 @@ def forward(
             *rules,
         )
     else:
-        low = q.dtype == torch.bfloat16 and kernel.bfloat16_products()
+        low = q.dtype == torch.bfloat16 and bfloat16_products()
         dtype = torch.bfloat16 if low else torch.float32
         q_flat, k_flat, v_flat, batch = flat_heads(q, k, v, dtype)
         out, lse = kernel.forward(
@@ -161,12 +294,47 @@ def forward(
             scale,
             causal,
             causal_offset or 0,
+            PRODUCTS.index(_products()),
             bounds,
             heads_per_range,
             *rules,
         )
     hq = q.shape[-3]
     return out.view(*batch, hq, *out.shape[1:]), lse.view(*batch, hq, lse.shape[-1])
+
+
+def backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    causal_offset: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``loop.backward`` (without a mask) on the compiled kernel: (dq, dk, dv) in float32 with
+    the shapes of q, k and v, or None where it does not apply: ``takes``, and q, k and v of one
+    batch shape (dk and dv then need no sum over broadcast batch dims)."""
+    if not (takes(q, k, v) and q.dim() >= 3 and q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
+        return None
+    kernel = load()
+    assert kernel is not None  # built by takes
+    f32 = torch.float32
+    q_flat, k_flat, v_flat, _ = flat_heads(q, k, v, f32)
+    rows = q_flat.flatten(0, 1).shape  # (N·g, Lq, Dk)
+    dq, dk, dv = kernel.backward(
+        q_flat.reshape(rows).contiguous(),
+        k_flat.contiguous(),
+        v_flat.contiguous(),
+        out.to(f32).reshape(*rows[:2], -1).contiguous(),
+        grad_out.to(f32).reshape(*rows[:2], -1).contiguous(),
+        lse.to(f32).reshape(rows[:2]).contiguous(),
+        scale,
+        causal_offset is not None,
+        causal_offset or 0,
+    )
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
 
 
 def decode_step_takes(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> bool:

@@ -64,9 +64,9 @@ so its scores are the float32 ones too; its weights enter the product with the (
 rounded to bfloat16, which changes the output by less than one unit in its last place, and are
 computed with a cheaper 2^x (within 7.5e-5 relative, so lse is within about 1e-4).
 
-The compiled kernel (``kernel.py``, ``flash_cpu.cpp``) runs the same forward recurrence for calls
-without a mask on CPUs; this loop is the specification it is tested against, and it runs
-everything else: masks, float64, other devices, the backward pass.
+The compiled kernel (``kernel.py``, ``flash_cpu.cpp``) runs the same forward recurrence and the
+same backward pass for calls without a mask on CPUs; this loop is the specification it is tested
+against, and it runs everything else: masks, float64, other devices.
 
 Legend: B batch, H heads (Hq query, Hkv key/value), g = Hq / Hkv, N = B·Hkv, L/Lq query length,
 S/Lk key length, R rows of a tile (g · its queries), D features (Dk query/key, Dv value).

@@ -1,0 +1,214 @@
+"""flash's compiled CPU kernel as built for each instruction set (``QKV_FLASH_ISA``).
+
+The tests in test_flash.py and test_functional.py run the kernel as built for this machine
+(``native``); here the AVX2 build, which a CPU without AVX-512 runs, is built on this one and
+checked against the float64 oracle in a fresh process (the ISA is fixed per process), and the
+source is compiled for aarch64 (NEON) with a cross compiler where one is installed. Building
+takes a minute or two; torch caches the build (``TORCH_EXTENSIONS_DIR``, by default under the
+user's cache), so later runs pay nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from oracle import TOLERANCE, oracle
+
+import qkv
+from qkv.backends.flash import kernel
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# (name, q shape, k shape, v shape, causal): more than one key block (512 keys) and lengths and
+# features that fill no whole vector, grouped heads, and the decoding path (fewer than 16 queries).
+CASES = [
+    ("full", (1, 2, 130, 40), (1, 2, 700, 40), (1, 2, 700, 40), False),
+    ("causal", (1, 2, 300, 64), (1, 2, 300, 64), (1, 2, 300, 40), True),
+    ("causal top-left", (2, 1, 200, 24), (2, 1, 333, 24), (2, 1, 333, 24), "top-left"),
+    ("grouped", (2, 6, 150, 64), (2, 2, 260, 64), (2, 2, 260, 48), False),
+    ("decoding", (1, 4, 3, 64), (1, 2, 530, 64), (1, 2, 530, 64), True),
+]
+
+# Runs in a fresh process built for QKV_FLASH_ISA: every case forward and backward through
+# qkv.attention on the kernel (never the PyTorch loop), the results saved beside the inputs.
+_RUN_CASES = """
+import sys, torch, qkv
+from qkv.backends.flash import kernel
+path = sys.argv[1]
+saved = torch.load(path)
+info = kernel.build_info()
+compiled, calls, results = kernel.backward, [], []
+kernel.backward = lambda *a: calls.append(1) or compiled(*a)
+for (q, k, v, grad_out), causal in zip(saved["inputs"], saved["causal"]):
+    assert kernel.takes(q, k, v), "the kernel does not take this call"
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    out = qkv.attention(*leaves, causal=causal, backend="flash")
+    results.append((out.detach(), *torch.autograd.grad(out, leaves, grad_out)))
+assert len(calls) == len(results), "a backward pass did not run on the kernel"
+torch.save({"info": info, "results": results}, path)
+"""
+
+
+def test_each_isa_builds_with_its_own_instructions_and_vector_width() -> None:
+    avx2 = kernel.capability_flags("avx2")
+    assert "-mavx2" in avx2 and "-DCPU_CAPABILITY_AVX2" in avx2
+    assert not any("avx512" in flag or "native" in flag for flag in avx2)
+    avx512 = kernel.capability_flags("avx512")
+    assert "-mavx512f" in avx512 and "-DCPU_CAPABILITY_AVX512" in avx512
+    assert not any("native" in flag for flag in avx512)
+    assert "-march=native" in kernel.capability_flags("native")
+
+
+def test_an_unknown_isa_or_product_path_is_a_value_error_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(ValueError, match=r"QKV_FLASH_ISA: expected one of .*got 'sse'"):
+        kernel.capability_flags("sse")
+    monkeypatch.setattr(kernel, "cpu_flags", lambda: {"sse2", "avx"})
+    with pytest.raises(ValueError, match=r"QKV_FLASH_ISA: this CPU cannot run 'avx2' \(it lacks"):
+        kernel._build("avx2")
+    monkeypatch.setattr(kernel, "GEMM", "cublas")
+    with pytest.raises(ValueError, match=r"QKV_FLASH_GEMM: expected one of .*got 'cublas'"):
+        kernel.products()
+
+
+def test_build_info_names_what_this_build_runs() -> None:
+    if kernel.load() is None:
+        pytest.skip("the compiled kernel is switched off or cannot be built here")
+    info = kernel.build_info()
+    flags = kernel.cpu_flags()
+    wide = kernel.ISA == "avx512" or (kernel.ISA == "native" and "avx512f" in flags)
+    assert info["vector_bits"] == (512 if wide else 256 if "avx2" in flags else 128)
+    assert info["float32_products"] == ("brgemm" if wide else "tiles") or kernel.GEMM != "auto"
+    assert info["isa"] == kernel.ISA and info["built"] is True
+
+
+def _can_build() -> bool:
+    return shutil.which(os.environ.get("CXX", "c++")) is not None and kernel.ENABLED
+
+
+@pytest.mark.skipif(
+    not {"avx2", "fma", "f16c"} <= kernel.cpu_flags() or not _can_build(),
+    reason="needs an x86 CPU with AVX2, a C++ compiler and the kernel switched on",
+)
+def test_the_avx2_build_matches_float64(tmp_path: Path) -> None:
+    """float32 and bfloat16, full, causal, grouped and decoding calls on the AVX2 build, their
+    outputs and gradients."""
+    inputs, causal = [], []
+    for dtype in (torch.float32, torch.bfloat16):
+        for _, q_shape, k_shape, v_shape, rule in CASES:
+            out_shape = (*q_shape[:-1], v_shape[-1])
+            shapes = (q_shape, k_shape, v_shape, out_shape)
+            inputs.append(tuple(torch.randn(s).to(dtype) for s in shapes))
+            causal.append(rule)
+    path = tmp_path / "cases.pt"
+    torch.save({"inputs": inputs, "causal": causal}, path)
+    environment = {**os.environ, "QKV_FLASH_ISA": "avx2", "PYTHONPATH": str(SRC)}
+    run = subprocess.run(
+        [sys.executable, "-c", _RUN_CASES, str(path)],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = torch.load(path)
+    assert result["info"]["capability"] == "AVX2" and result["info"]["vector_bits"] == 256
+    for (q, k, v, grad_out), rule, got in zip(inputs, causal, result["results"], strict=True):
+        assert_matches_float64(q, k, v, grad_out, rule, got)
+
+
+def assert_matches_float64(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    causal: object,
+    got: Sequence[torch.Tensor],
+) -> None:
+    """got = (out, dq, dk, dv) against the float64 oracle and its autograd: the output within
+    the dtype's tolerance, the gradients within 4 times it (as in test_functional.py)."""
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    expected_out, _ = oracle(*leaves, causal=causal)
+    expected = torch.autograd.grad(expected_out, leaves, grad_out.double())
+    atol, rtol = TOLERANCE[q.dtype]
+    assert all(x.dtype == q.dtype for x in got)
+    torch.testing.assert_close(got[0].double(), expected_out, atol=atol, rtol=rtol)
+    for grad, want in zip(got[1:], expected, strict=True):
+        torch.testing.assert_close(grad.double(), want, atol=4 * atol, rtol=4 * rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=[case[0] for case in CASES])
+def test_the_compiled_backward_matches_float64(
+    monkeypatch: pytest.MonkeyPatch, case: tuple[Any, ...], dtype: torch.dtype
+) -> None:
+    """This machine's build, forward and backward, every call on the kernel."""
+    if kernel.load() is None:
+        pytest.skip("the compiled kernel is switched off or cannot be built here")
+    _, q_shape, k_shape, v_shape, rule = case
+    compiled, calls = kernel.backward, []
+    monkeypatch.setattr(kernel, "backward", lambda *a: calls.append(1) or compiled(*a))
+    q, k, v = (torch.randn(s).to(dtype).requires_grad_() for s in (q_shape, k_shape, v_shape))
+    out = qkv.attention(q, k, v, causal=rule, backend="flash")
+    grad_out = torch.randn(out.shape).to(dtype)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert calls == [1], "the backward pass did not run on the kernel"
+    assert_matches_float64(q, k, v, grad_out, rule, (out, *grads))
+
+
+def test_the_compiled_backward_is_deterministic() -> None:
+    """Two threads and one key/value head: the query blocks split between the threads, whose
+    dK and dV parts are added in a fixed order. The same call twice gives the same bits."""
+    if kernel.load() is None:
+        pytest.skip("the compiled kernel is switched off or cannot be built here")
+    q, k, v = (torch.randn(1, 4, 700, 32) for _ in range(3))
+    k, v = k[:, :1], v[:, :1]  # one key/value head serving four query heads
+    forward = kernel.forward(q, k, v, 0.2, 0)
+    assert forward is not None, "the kernel does not take this call"
+    out, lse = forward
+    grad_out = torch.randn(out.shape)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        first, second = (kernel.backward(q, k, v, out, grad_out, lse, 0.2, 0) for _ in range(2))
+    finally:
+        torch.set_num_threads(threads)
+    assert first is not None and second is not None
+    for one, two in zip(first, second, strict=True):
+        assert torch.equal(one, two)
+
+
+def _cross_compiler() -> str | None:
+    return shutil.which("aarch64-linux-gnu-g++")
+
+
+@pytest.mark.skipif(_cross_compiler() is None, reason="no aarch64-linux-gnu-g++ installed")
+def test_the_source_compiles_for_aarch64() -> None:
+    """The kernel's one source for ARM (NEON through ATen's vectors): a syntax-only compile
+    against torch's headers, as torch's extension builder would compile it there."""
+    torch_include = Path(torch.__file__).parent / "include"
+    command = [
+        str(_cross_compiler()),
+        "-std=c++17",
+        "-fsyntax-only",
+        "-march=armv8-a",
+        "-fopenmp",
+        "-DCPU_CAPABILITY=DEFAULT",
+        "-DTORCH_EXTENSION_NAME=qkv_flash_cpu",
+        f"-I{torch_include}",
+        f"-I{torch_include / 'torch' / 'csrc' / 'api' / 'include'}",
+        f"-I{sysconfig.get_paths()['include']}",
+        str(kernel.SOURCE),
+    ]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
