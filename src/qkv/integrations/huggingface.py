@@ -13,7 +13,9 @@
 - a mask function (``transformers.masking_utils.AttentionMaskInterface``): without one,
   transformers builds no mask at all for an unknown implementation, and padding would be dropped
   silently. It builds the boolean mask (B, 1, Lq, Lk), True = may attend — qkv's own convention,
-  so no conversion is needed — and never leaves a causal or padding mask out.
+  so no conversion is needed — and never leaves a causal or padding mask out. Where the layer's
+  causal rule, window or packed documents (``qkv.integrations.packing``) say all of it, it
+  builds none.
 
 When a model passes no mask, its own causal rule applies (the ``is_causal`` argument, else the
 layer's ``is_causal`` attribute), aligned bottom-right: with a KV cache, the Lq new queries are
@@ -33,6 +35,7 @@ import torch
 
 from qkv import masks
 from qkv.functional import attention
+from qkv.integrations import packing
 
 INSTALL_HINT = 'pip install "qkv[hf]"'
 _REGISTERED: set[str] = set()
@@ -134,9 +137,20 @@ def mask_forward(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     qkv takes the shortcut there too, except for chunked attention, which ``local_size`` also
     describes. The bidirectional shortcut is turned off: it would drop the mask of models whose
     layers still say ``is_causal``.
+
+    Sequences packed by their position ids (one row holds several documents, each restarting its
+    positions; transformers' ``DataCollatorWithFlattening`` with ``return_position_ids=True``) get
+    no mask either when transformers' mask is exactly its causal (or sliding-window causal) rule
+    within each document: the document ids transformers found are kept for the model's config,
+    and ``attention_forward`` passes them to qkv as ``segments`` (``qkv.integrations.packing``).
     """
     from transformers.masking_utils import sdpa_mask
 
+    rule, documents = packing.causal_rule(kwargs)
+    if rule:  # (the model's packing, or none, for its layers: ``attention_forward``)
+        packing.remember(kwargs.get("config"), documents)
+        if documents is not None:
+            return None
     kwargs["allow_is_bidirectional_skip"] = False
     if kwargs.get("q_length") not in (1, kwargs.get("kv_length")):
         kwargs["allow_is_causal_skip"] = False
@@ -180,7 +194,8 @@ def attention_forward(
     causal = causal_layer and attention_mask is None
     if attention_mask is None and kwargs.get("sliding_window") is None:
         kwargs["sliding_window"] = getattr(module, "sliding_window", None)  # (the mask skipped it)
-    structure = _structure(query.shape, key.shape[-2], attention_mask is None, causal_layer, kwargs)
+    no_mask = attention_mask is None
+    structure = _structure(module, query.shape, key.shape[-2], no_mask, causal_layer, kwargs)
 
     want_weights = _weights_requested(kwargs)
     result = attention(
@@ -207,7 +222,12 @@ def _first(kwargs: dict[str, Any], *names: str) -> Any:
 
 
 def _structure(
-    query_shape: torch.Size, lk: int, no_mask: bool, causal_layer: bool, kwargs: dict[str, Any]
+    module: torch.nn.Module,
+    query_shape: torch.Size,
+    lk: int,
+    no_mask: bool,
+    causal_layer: bool,
+    kwargs: dict[str, Any],
 ) -> dict[str, Any]:
     """The window and the packed sequences a model passes, as ``window=`` and ``segments=``.
 
@@ -219,7 +239,8 @@ def _structure(
     the window is left to the mask there). A bidirectional layer's w is left to the mask: its
     meaning differs between families (modernbert passes one more than its mask's reach,
     t5gemma's encoder the reach itself). ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (a flattened
-    batch of packed sequences) become segment ids.
+    batch of packed sequences) become segment ids, as do, in a causal layer given no mask, the
+    documents of sequences packed by position ids (``packing.documents``).
     """
     structure: dict[str, Any] = {}
     batch, lq = query_shape[0], query_shape[-2]
@@ -228,13 +249,16 @@ def _structure(
     if isinstance(sliding_window, int) and sliding_window > 0 and known:
         structure["window"] = (sliding_window - 1, 0)
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if not (isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor) and batch == 1):
-        return structure
-    if int(cu_q[-1]) <= lq and int(cu_k[-1]) <= lk:  # (B = 1: the sequences lie side by side)
-        structure["segments"] = (
-            masks.segments_from_cu_seqlens(cu_q, lq)[None],
-            masks.segments_from_cu_seqlens(cu_k, lk)[None],
-        )
+    if isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor) and batch == 1:
+        if int(cu_q[-1]) <= lq and int(cu_k[-1]) <= lk:  # (B = 1: the sequences lie side by side)
+            structure["segments"] = (
+                masks.segments_from_cu_seqlens(cu_q, lq)[None],
+                masks.segments_from_cu_seqlens(cu_k, lk)[None],
+            )
+    elif no_mask and causal_layer and lq == lk:  # maybe packed by position ids (mask_forward)
+        documents = packing.documents(module, kwargs.get("position_ids"), batch, lq)
+        if documents is not None:
+            structure["segments"] = documents
     return structure
 
 
