@@ -15,7 +15,7 @@
   silently. It builds the boolean mask (B, 1, Lq, Lk), True = may attend — qkv's own convention,
   so no conversion is needed — and never leaves a causal or padding mask out. Where the layer's
   causal rule, window or packed documents (``qkv.integrations.packing``) say all of it, it
-  builds none.
+  builds none; where padding is all they leave, only the (B, 1, 1, Lk) key padding.
 
 When a model passes no mask, its own causal rule applies (the ``is_causal`` argument, else the
 layer's ``is_causal`` attribute), aligned bottom-right: with a KV cache, the Lq new queries are
@@ -143,6 +143,10 @@ def mask_forward(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     no mask either when transformers' mask is exactly its causal (or sliding-window causal) rule
     within each document: the document ids transformers found are kept for the model's config,
     and ``attention_forward`` passes them to qkv as ``segments`` (``qkv.integrations.packing``).
+
+    Padding in a causal (or sliding-window causal) layer's mask, several queries being the last
+    of the keys, is a (B, 1, 1, Lk) key padding mask (``_key_padding``): the layer's causal rule
+    and window apply in qkv.
     """
     from transformers.masking_utils import sdpa_mask
 
@@ -151,6 +155,9 @@ def mask_forward(*args: Any, **kwargs: Any) -> torch.Tensor | None:
         packing.remember(kwargs.get("config"), documents)
         if documents is not None:
             return None
+        key_padding = _key_padding(kwargs)
+        if key_padding is not None:
+            return key_padding
     kwargs["allow_is_bidirectional_skip"] = False
     if kwargs.get("q_length") not in (1, kwargs.get("kv_length")):
         kwargs["allow_is_causal_skip"] = False
@@ -158,6 +165,45 @@ def mask_forward(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     if kwargs.get("local_size") is not None and not chunked:
         kwargs["local_size"] = None  # a sliding window: qkv applies it (see above)
     return sdpa_mask(*args, **kwargs)
+
+
+def _key_padding(kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """(B, 1, 1, Lk) bool, True = a real key: the padding of transformers' causal mask request
+    ``kwargs`` when the rest of that mask is the layer's causal rule aligned bottom-right (the
+    Lq > 1 queries are the last Lq of the keys: no static cache) and the caller lets the mask be
+    left out (it may combine the mask with others). Else None: the mask is built."""
+    padding, lq, lk = (kwargs.get(name) for name in ("attention_mask", "q_length", "kv_length"))
+    offsets = [kwargs.get(name, 0) for name in ("q_offset", "kv_offset")]
+    if (
+        not isinstance(padding, torch.Tensor)
+        or padding.ndim != 2
+        or not kwargs.get("allow_is_causal_skip", True)
+    ):
+        return None
+    if not (isinstance(lq, int) and isinstance(lk, int) and lq > 1):
+        return None
+    if not all(isinstance(offset, int) for offset in offsets):
+        return None
+    q_offset, kv_offset = offsets
+    if q_offset + lq != kv_offset + lk or padding.shape[-1] < kv_offset + lk:
+        return None
+    keys = padding[:, kv_offset : kv_offset + lk].to(torch.bool)
+    batch = kwargs.get("batch_size", keys.shape[0])
+    return keys[:, None, None, :].expand(batch, 1, 1, lk)
+
+
+def _key_padding_only(mask: torch.Tensor | None, lq: int, causal_layer: bool) -> bool:
+    """Whether a causal layer's bool mask holds key padding alone ((…, 1, Lk) for Lq > 1
+    queries: ``_key_padding``'s, never transformers', whose masks have a row per query), so the
+    layer's causal rule and window still apply."""
+    return (
+        causal_layer
+        and isinstance(mask, torch.Tensor)
+        and mask.dtype == torch.bool
+        and mask.ndim == 4
+        and mask.shape[-2] == 1
+        and lq > 1
+    )
 
 
 def attention_forward(
@@ -191,11 +237,13 @@ def attention_forward(
     # The layer's own causal rule; applied when the model passes no mask, aligned for a cache
     # (bottom-right).
     causal_layer = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
-    causal = causal_layer and attention_mask is None
-    if attention_mask is None and kwargs.get("sliding_window") is None:
-        kwargs["sliding_window"] = getattr(module, "sliding_window", None)  # (the mask skipped it)
     no_mask = attention_mask is None
-    structure = _structure(module, query.shape, key.shape[-2], no_mask, causal_layer, kwargs)
+    rule_left = no_mask or _key_padding_only(attention_mask, query.shape[-2], causal_layer)
+    causal = causal_layer and rule_left
+    if rule_left and kwargs.get("sliding_window") is None:
+        kwargs["sliding_window"] = getattr(module, "sliding_window", None)  # (the mask skipped it)
+    lk = key.shape[-2]
+    structure = _structure(module, query.shape, lk, (no_mask, rule_left), causal_layer, kwargs)
 
     want_weights = _weights_requested(kwargs)
     result = attention(
@@ -225,7 +273,7 @@ def _structure(
     module: torch.nn.Module,
     query_shape: torch.Size,
     lk: int,
-    no_mask: bool,
+    masked: tuple[bool, bool],
     causal_layer: bool,
     kwargs: dict[str, Any],
 ) -> dict[str, Any]:
@@ -234,18 +282,20 @@ def _structure(
     transformers' mask already blocks what they block; passed as well, they let flash skip the
     tiles outside them. In a causal layer ``sliding_window`` = w means the w most recent keys
     (transformers' mask and FlashAttention's window (w − 1, ·) agree), ``window=(w − 1, 0)``,
-    bottom-right aligned: the mask's alignment when the model passed no mask or queries and keys
-    have one length (with a static cache, a prefill's queries are not the last of its keys, so
-    the window is left to the mask there). A bidirectional layer's w is left to the mask: its
-    meaning differs between families (modernbert passes one more than its mask's reach,
-    t5gemma's encoder the reach itself). ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (a flattened
-    batch of packed sequences) become segment ids, as do, in a causal layer given no mask, the
-    documents of sequences packed by position ids (``packing.documents``).
+    bottom-right aligned: the mask's alignment when the model passed no mask (or key padding
+    alone, ``masked``) or queries and keys have one length (with a static cache, a prefill's
+    queries are not the last of its keys, so the window is left to the mask there). A
+    bidirectional layer's w is left to the mask: its meaning differs between families
+    (modernbert passes one more than its mask's reach, t5gemma's encoder the reach itself).
+    ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (a flattened batch of packed sequences) become segment
+    ids, as do, in a causal layer given no mask, the documents of sequences packed by position
+    ids (``packing.documents``).
     """
     structure: dict[str, Any] = {}
     batch, lq = query_shape[0], query_shape[-2]
     sliding_window = kwargs.get("sliding_window")
-    known = causal_layer and (no_mask or lq == lk)
+    no_mask, rule_left = masked  # (no mask; no mask or key padding alone)
+    known = causal_layer and (rule_left or lq == lk)
     if isinstance(sliding_window, int) and sliding_window > 0 and known:
         structure["window"] = (sliding_window - 1, 0)
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
