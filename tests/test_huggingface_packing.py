@@ -182,3 +182,33 @@ def test_documents_from_position_ids_follow_transformers() -> None:
     assert packing.from_position_ids(torch.arange(9)[None], 1, 9) is None
     assert packing.from_position_ids(torch.arange(9)[None], 1, 8) is None  # another length
     assert packing.from_position_ids(None, 1, 9) is None
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "mistral"])
+def test_a_training_step_on_the_flattening_collators_batch_matches_eager(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers' DataCollatorWithFlattening(return_position_ids=True): the loss and every
+    parameter's gradient equal eager's, with no mask built."""
+    eager, ours = model_pair(name)
+    collator = transformers.DataCollatorWithFlattening(
+        return_position_ids=True, return_tensors="pt"
+    )
+    input_ids, _ = packed_batch()
+    starts = torch.tensor((0, *LENGTHS)).cumsum(0).tolist()
+    features = [{"input_ids": input_ids[0, a:b].tolist()} for a, b in itertools.pairwise(starts)]
+    batch = collator(features)
+    assert "attention_mask" not in batch and torch.equal(batch["position_ids"], packed_batch()[1])
+    losses, built = [], []
+    for model in (eager, ours):
+        if model is ours:
+            built = dense_masks(monkeypatch)
+        model.train()
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.detach())
+    assert built == []
+    torch.testing.assert_close(losses[1], losses[0], atol=ATOL, rtol=ATOL)
+    for (param_name, theirs), ours_param in zip(eager.named_parameters(), ours.parameters()):
+        assert theirs.grad is not None and ours_param.grad is not None, param_name
+        torch.testing.assert_close(ours_param.grad, theirs.grad, atol=ATOL, rtol=ATOL)

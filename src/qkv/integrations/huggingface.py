@@ -122,8 +122,9 @@ def _refuse_models_outside_the_interface(model_class: type) -> None:
 
 
 def mask_forward(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """transformers' mask function for qkv: a bool (B, 1, Lq, Lk) mask, True = may attend, or
-    None where the layer's causal rule and window say all of it.
+    """transformers' mask function for qkv: a bool (B, 1, Lq, Lk) mask, True = may attend; a
+    (B, 1, 1, Lk) key padding mask where the layer's causal rule and window say the rest; or None
+    where they (with packed documents) say all of it.
 
     It is transformers' own ``sdpa_mask`` (the same mask, in the same convention as qkv). Its
     causal shortcut is kept where qkv's bottom-right causal rule means what the skipped mask
