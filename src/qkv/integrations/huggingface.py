@@ -13,7 +13,9 @@
 - a mask function (``transformers.masking_utils.AttentionMaskInterface``): without one,
   transformers builds no mask at all for an unknown implementation, and padding would be dropped
   silently. It builds the boolean mask (B, 1, Lq, Lk), True = may attend — qkv's own convention,
-  so no conversion is needed — and never leaves a causal or padding mask out.
+  so no conversion is needed — and never leaves a causal or padding mask out. Where the layer's
+  causal rule, window or packed documents (``qkv.integrations.packing``) say all of it, it
+  builds none; where padding is all they leave, only the (B, 1, 1, Lk) key padding.
 
 When a model passes no mask, its own causal rule applies (the ``is_causal`` argument, else the
 layer's ``is_causal`` attribute), aligned bottom-right: with a KV cache, the Lq new queries are
@@ -33,6 +35,7 @@ import torch
 
 from qkv import masks
 from qkv.functional import attention
+from qkv.integrations import packing
 
 INSTALL_HINT = 'pip install "qkv[hf]"'
 _REGISTERED: set[str] = set()
@@ -119,8 +122,9 @@ def _refuse_models_outside_the_interface(model_class: type) -> None:
 
 
 def mask_forward(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """transformers' mask function for qkv: a bool (B, 1, Lq, Lk) mask, True = may attend, or
-    None where the layer's causal rule and window say all of it.
+    """transformers' mask function for qkv: a bool (B, 1, Lq, Lk) mask, True = may attend; a
+    (B, 1, 1, Lk) key padding mask where the layer's causal rule and window say the rest; or None
+    where they (with packed documents) say all of it.
 
     It is transformers' own ``sdpa_mask`` (the same mask, in the same convention as qkv). Its
     causal shortcut is kept where qkv's bottom-right causal rule means what the skipped mask
@@ -134,9 +138,27 @@ def mask_forward(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     qkv takes the shortcut there too, except for chunked attention, which ``local_size`` also
     describes. The bidirectional shortcut is turned off: it would drop the mask of models whose
     layers still say ``is_causal``.
+
+    Sequences packed by their position ids (one row holds several documents, each restarting its
+    positions; transformers' ``DataCollatorWithFlattening`` with ``return_position_ids=True``) get
+    no mask either when transformers' mask is exactly its causal (or sliding-window causal) rule
+    within each document: the document ids transformers found are kept for the model's config,
+    and ``attention_forward`` passes them to qkv as ``segments`` (``qkv.integrations.packing``).
+
+    Padding in a causal (or sliding-window causal) layer's mask, several queries being the last
+    of the keys, is a (B, 1, 1, Lk) key padding mask (``_key_padding``): the layer's causal rule
+    and window apply in qkv.
     """
     from transformers.masking_utils import sdpa_mask
 
+    rule, documents = packing.causal_rule(kwargs)
+    if rule:  # (the model's packing, or none, for its layers: ``attention_forward``)
+        packing.remember(kwargs.get("config"), documents)
+        if documents is not None:
+            return None
+        key_padding = _key_padding(kwargs)
+        if key_padding is not None:
+            return key_padding
     kwargs["allow_is_bidirectional_skip"] = False
     if kwargs.get("q_length") not in (1, kwargs.get("kv_length")):
         kwargs["allow_is_causal_skip"] = False
@@ -144,6 +166,45 @@ def mask_forward(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     if kwargs.get("local_size") is not None and not chunked:
         kwargs["local_size"] = None  # a sliding window: qkv applies it (see above)
     return sdpa_mask(*args, **kwargs)
+
+
+def _key_padding(kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """(B, 1, 1, Lk) bool, True = a real key: the padding of transformers' causal mask request
+    ``kwargs`` when the rest of that mask is the layer's causal rule aligned bottom-right (the
+    Lq > 1 queries are the last Lq of the keys: no static cache) and the caller lets the mask be
+    left out (it may combine the mask with others). Else None: the mask is built."""
+    padding, lq, lk = (kwargs.get(name) for name in ("attention_mask", "q_length", "kv_length"))
+    offsets = [kwargs.get(name, 0) for name in ("q_offset", "kv_offset")]
+    if (
+        not isinstance(padding, torch.Tensor)
+        or padding.ndim != 2
+        or not kwargs.get("allow_is_causal_skip", True)
+    ):
+        return None
+    if not (isinstance(lq, int) and isinstance(lk, int) and lq > 1):
+        return None
+    if not all(isinstance(offset, int) for offset in offsets):
+        return None
+    q_offset, kv_offset = offsets
+    if q_offset + lq != kv_offset + lk or padding.shape[-1] < kv_offset + lk:
+        return None
+    keys = padding[:, kv_offset : kv_offset + lk].to(torch.bool)
+    batch = kwargs.get("batch_size", keys.shape[0])
+    return keys[:, None, None, :].expand(batch, 1, 1, lk)
+
+
+def _key_padding_only(mask: torch.Tensor | None, lq: int, causal_layer: bool) -> bool:
+    """Whether a causal layer's bool mask holds key padding alone ((…, 1, Lk) for Lq > 1
+    queries: ``_key_padding``'s, never transformers', whose masks have a row per query), so the
+    layer's causal rule and window still apply."""
+    return (
+        causal_layer
+        and isinstance(mask, torch.Tensor)
+        and mask.dtype == torch.bool
+        and mask.ndim == 4
+        and mask.shape[-2] == 1
+        and lq > 1
+    )
 
 
 def attention_forward(
@@ -177,10 +238,13 @@ def attention_forward(
     # The layer's own causal rule; applied when the model passes no mask, aligned for a cache
     # (bottom-right).
     causal_layer = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
-    causal = causal_layer and attention_mask is None
-    if attention_mask is None and kwargs.get("sliding_window") is None:
+    no_mask = attention_mask is None
+    rule_left = no_mask or _key_padding_only(attention_mask, query.shape[-2], causal_layer)
+    causal = causal_layer and rule_left
+    if rule_left and kwargs.get("sliding_window") is None:
         kwargs["sliding_window"] = getattr(module, "sliding_window", None)  # (the mask skipped it)
-    structure = _structure(query.shape, key.shape[-2], attention_mask is None, causal_layer, kwargs)
+    lk = key.shape[-2]
+    structure = _structure(module, query.shape, lk, (no_mask, rule_left), causal_layer, kwargs)
 
     want_weights = _weights_requested(kwargs)
     result = attention(
@@ -207,34 +271,45 @@ def _first(kwargs: dict[str, Any], *names: str) -> Any:
 
 
 def _structure(
-    query_shape: torch.Size, lk: int, no_mask: bool, causal_layer: bool, kwargs: dict[str, Any]
+    module: torch.nn.Module,
+    query_shape: torch.Size,
+    lk: int,
+    masked: tuple[bool, bool],
+    causal_layer: bool,
+    kwargs: dict[str, Any],
 ) -> dict[str, Any]:
     """The window and the packed sequences a model passes, as ``window=`` and ``segments=``.
 
     transformers' mask already blocks what they block; passed as well, they let flash skip the
     tiles outside them. In a causal layer ``sliding_window`` = w means the w most recent keys
     (transformers' mask and FlashAttention's window (w − 1, ·) agree), ``window=(w − 1, 0)``,
-    bottom-right aligned: the mask's alignment when the model passed no mask or queries and keys
-    have one length (with a static cache, a prefill's queries are not the last of its keys, so
-    the window is left to the mask there). A bidirectional layer's w is left to the mask: its
-    meaning differs between families (modernbert passes one more than its mask's reach,
-    t5gemma's encoder the reach itself). ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (a flattened
-    batch of packed sequences) become segment ids.
+    bottom-right aligned: the mask's alignment when the model passed no mask (or key padding
+    alone, ``masked``) or queries and keys have one length (with a static cache, a prefill's
+    queries are not the last of its keys, so the window is left to the mask there). A
+    bidirectional layer's w is left to the mask: its meaning differs between families
+    (modernbert passes one more than its mask's reach, t5gemma's encoder the reach itself).
+    ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (a flattened batch of packed sequences) become segment
+    ids, as do, in a causal layer given no mask, the documents of sequences packed by position
+    ids (``packing.documents``).
     """
     structure: dict[str, Any] = {}
     batch, lq = query_shape[0], query_shape[-2]
     sliding_window = kwargs.get("sliding_window")
-    known = causal_layer and (no_mask or lq == lk)
+    no_mask, rule_left = masked  # (no mask; no mask or key padding alone)
+    known = causal_layer and (rule_left or lq == lk)
     if isinstance(sliding_window, int) and sliding_window > 0 and known:
         structure["window"] = (sliding_window - 1, 0)
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if not (isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor) and batch == 1):
-        return structure
-    if int(cu_q[-1]) <= lq and int(cu_k[-1]) <= lk:  # (B = 1: the sequences lie side by side)
-        structure["segments"] = (
-            masks.segments_from_cu_seqlens(cu_q, lq)[None],
-            masks.segments_from_cu_seqlens(cu_k, lk)[None],
-        )
+    if isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor) and batch == 1:
+        if int(cu_q[-1]) <= lq and int(cu_k[-1]) <= lk:  # (B = 1: the sequences lie side by side)
+            structure["segments"] = (
+                masks.segments_from_cu_seqlens(cu_q, lq)[None],
+                masks.segments_from_cu_seqlens(cu_k, lk)[None],
+            )
+    elif no_mask and causal_layer and lq == lk:  # maybe packed by position ids (mask_forward)
+        documents = packing.documents(module, kwargs.get("position_ids"), batch, lq)
+        if documents is not None:
+            structure["segments"] = documents
     return structure
 
 
