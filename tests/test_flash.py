@@ -411,28 +411,46 @@ def test_auto_picks_the_compiled_kernel_for_calls_without_a_mask_or_gradients(
     assert dispatch.choose(call) == "flash"
     learning = _call(lq, lk, dtype, causal_offset=causal_offset)
     learning.q.requires_grad_()
-    assert dispatch.choose(learning) == "sdpa"  # a backward pass may follow: torch's is faster
-    with torch.no_grad():
-        assert dispatch.choose(learning) == "flash"
+    assert dispatch.choose(learning) == "flash"  # the kernel runs the backward pass too
+    masked = _call(lq, lk, dtype, causal_offset=causal_offset, mask=torch.ones(lq, lk) == 1)
+    masked.q.requires_grad_()
+    if lq > 64:  # (few queries under a mask go to flash's loop)
+        assert dispatch.choose(masked) == "sdpa"  # under a mask the backward is flash's loop
     monkeypatch.setattr(flash_kernel, "ENABLED", False)
     assert dispatch.choose(call) == "sdpa"  # flash's loop is slower than torch's kernel here
+    assert dispatch.choose(learning) == "sdpa"
 
 
 @pytest.mark.parametrize(
-    "lq, lk, dtype, expected",
+    "lq, lk, dtype, units, tiles",
     [
-        (300, 300, torch.float32, "sdpa"),  # 2 heads × 300 × 300: under 2^20 scores
-        (64, 64, torch.float16, "sdpa"),
-        (64, 8192, torch.float32, "sdpa"),  # 2^20 scores, but not a whole block of queries
-        (64, 8192, torch.bfloat16, "flash"),  # ... which bfloat16 does not need
-        (128, 4096, torch.float32, "flash"),
-        (8, 64, torch.float32, "flash"),  # decoding: always the kernel
+        (300, 300, torch.float32, "sdpa", "flash"),  # 2 heads × 300 × 300: under 2^20 scores
+        (64, 64, torch.float16, "sdpa", "flash"),
+        (64, 8192, torch.float32, "sdpa", "flash"),  # 2^20 scores, not a whole query block
+        (64, 8192, torch.bfloat16, "flash", "sdpa"),  # few queries for their keys, widened
+        (64, 512, torch.float16, "sdpa", "sdpa"),
+        (128, 4096, torch.float32, "flash", "flash"),
+        (8, 64, torch.float32, "flash", "flash"),  # decoding: always the kernel
+        (8, 8192, torch.bfloat16, "flash", "flash"),
     ],
 )
-def test_auto_sends_small_calls_without_a_rule_to_torch(
-    kernel: object, lq: int, lk: int, dtype: torch.dtype, expected: str
+@pytest.mark.parametrize("build", ["matrix units", "brgemm", "tiles"])
+def test_auto_decides_calls_without_a_rule_per_build(
+    kernel: object,
+    monkeypatch: pytest.MonkeyPatch,
+    build: str,
+    lq: int,
+    lk: int,
+    dtype: torch.dtype,
+    units: str,
+    tiles: str,
 ) -> None:
-    """No mask and no causal rule: flash's kernel only where it was measured to be faster."""
+    """No mask and no causal rule: flash's kernel only where it was measured to be faster on
+    that class of build (bfloat16 matrix units; AVX-512 with oneDNN's products; the kernel's own
+    register tiles, with float16/bfloat16 widened)."""
+    monkeypatch.setattr(flash_kernel, "matrix_units", lambda: build == "matrix units")
+    monkeypatch.setattr(flash_kernel, "cached_products", lambda: build.replace(" units", ""))
+    expected = {"matrix units": units, "brgemm": "flash", "tiles": tiles}[build]
     assert dispatch.choose(_call(lq, lk, dtype)) == expected
     assert dispatch.choose(_call(lq, lk, dtype, causal_offset=0)) == "flash"  # causal: always
 

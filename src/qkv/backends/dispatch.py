@@ -25,9 +25,16 @@ NAMES = ("auto", "reference", "flash", "sdpa")
 # such a rule as an explicit mask, which costs it more than flash's tiles.
 FEW_QUERIES = 64
 FEW_QUERIES_PER_KEY = 8
-# With no mask and no causal rule, flash's compiled kernel is faster than torch's fused kernel
-# for decoding (fewer than DECODING_QUERIES queries), and otherwise only from KERNEL_MIN_SCORES
-# scores (B·Hq·Lq·Lk) up and, except in bfloat16, with whole query blocks (KERNEL_MIN_QUERIES).
+# With no mask and no causal rule, flash's compiled kernel is faster than torch's fused kernel for
+# decoding (fewer than DECODING_QUERIES queries) on every build. Beyond decoding it depends on the
+# build (``qkv bench --auto`` measures each; docs/performance.md):
+# - on CPUs whose bfloat16 products run on matrix units (AMX; measured on an Intel Xeon), only from
+#   KERNEL_MIN_SCORES scores (B·Hq·Lq·Lk) up and, except in bfloat16, with whole query blocks
+#   (KERNEL_MIN_QUERIES): below that the units' fixed cost per call does not pay off;
+# - elsewhere (AVX-512 and AVX2 builds, measured on an AMD EPYC) at every size measured, except
+#   float16/bfloat16 with few queries for their keys (FEW_QUERIES_PER_KEY) where the kernel's own
+#   register tiles run the products (narrow vectors): widening K and V to float32 then costs more
+#   than the whole call.
 DECODING_QUERIES = 16
 KERNEL_MIN_SCORES = 2**20
 KERNEL_MIN_QUERIES = 128
@@ -58,23 +65,24 @@ def preference(call: Call) -> tuple[str, ...]:
     - flash first for a window or segments: it skips the tiles they block, where torch's kernel
       needs them as an (Lq, Lk) mask (memory quadratic in length).
     - flash first for few queries under a mask or a non-top-left causal rule (see
-      ``FEW_QUERIES``), and for forward passes without a mask that flash's compiled kernel runs
-      where it is the faster kernel (causal calls, decoding, large calls; see
-      ``_kernel_is_faster``). A call that needs gradients goes to sdpa: flash's backward is its
-      PyTorch loop, slower than torch's.
-    - sdpa first for everything else (masks over many queries, float64, training).
+      ``FEW_QUERIES``), and for calls without a mask that flash's compiled kernel runs where it
+      is the faster kernel: causal calls, decoding, and unmasked calls as ``_kernel_is_faster``
+      says for this build; with gradients to follow, where the kernel also runs the backward
+      pass (``flash.differentiates_compiled``).
+    - sdpa first for everything else (masks over many queries, float64, training under a mask).
     - The others follow as fallbacks: flash for empty sequences and NaN/Inf under a mask (which
-      sdpa refuses), sdpa for dropout (which flash refuses), reference, the only backend that
-      returns weights.
+      sdpa refuses on the CPU), sdpa for dropout (which flash refuses), reference, the only
+      backend that returns weights.
     """
     lq, lk = call.q.shape[-2], call.k.shape[-2]
     masked = call.mask is not None or call.causal_offset not in (None, 0)
     few_queries = masked and (lq <= FEW_QUERIES or FEW_QUERIES_PER_KEY * lq <= lk)
+    flash = backend("flash")
     on_kernel = (
         call.mask is None
-        and not call.needs_gradients
+        and flash.runs_compiled(call)
+        and (not call.needs_gradients or flash.differentiates_compiled(call))
         and (call.causal_offset is not None or _kernel_is_faster(call))
-        and backend("flash").runs_compiled(call)
     )
     if few_queries or on_kernel or call.structured:
         return ("flash", "sdpa", "reference")
@@ -82,15 +90,20 @@ def preference(call: Call) -> tuple[str, ...]:
 
 
 def _kernel_is_faster(call: Call) -> bool:
-    """For a call with no mask and no causal rule: whether flash's compiled kernel beats torch's
-    fused kernel (decoding; or big enough for the kernel's query blocks to pay off)."""
+    """For a call with no mask and no causal rule that flash's compiled kernel takes: whether
+    it beats torch's fused kernel on this build (see the thresholds above)."""
     lq, lk = call.q.shape[-2], call.k.shape[-2]
     if lq < DECODING_QUERIES:
         return True
-    scores = call.q.numel() // max(1, call.q.shape[-1]) * lk
-    return scores >= KERNEL_MIN_SCORES and (
-        lq >= KERNEL_MIN_QUERIES or call.q.dtype == torch.bfloat16
-    )
+    kernel = backend("flash").kernel
+    if kernel.matrix_units():
+        scores = call.q.numel() // max(1, call.q.shape[-1]) * lk
+        return scores >= KERNEL_MIN_SCORES and (
+            lq >= KERNEL_MIN_QUERIES or call.q.dtype == torch.bfloat16
+        )
+    low = call.q.dtype in (torch.float16, torch.bfloat16)
+    widened = low and kernel.cached_products() == "tiles"
+    return not (widened and FEW_QUERIES_PER_KEY * lq <= lk)
 
 
 def choose(call: Call) -> str:

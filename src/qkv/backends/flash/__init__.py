@@ -32,6 +32,7 @@ __all__ = [
     "attention",
     "attention_with_cache",
     "backward",
+    "differentiates_compiled",
     "forward",
     "runs_compiled",
     "why_not",
@@ -119,6 +120,19 @@ def runs_compiled(call: Call) -> bool:
         return True
     *batch, hq, lq, lk = call.scores_shape
     return kernel_ranges(rules_of(call), call.causal_offset, tuple(batch), hq, lq, lk) is not None
+
+
+def differentiates_compiled(call: Call) -> bool:
+    """Whether this backend runs ``call``'s backward pass on the compiled kernel: no mask, no
+    score rules (soft-capping, ALiBi, a window, segments), no gradient through a returned
+    log-sum-exp, q, k and v of one batch shape, and a call the kernel takes."""
+    return (
+        call.mask is None
+        and rules_of(call) is None
+        and not call.return_lse
+        and call.q.shape[:-3] == call.k.shape[:-3] == call.v.shape[:-3]
+        and kernel.takes(call.q, call.k, call.v)
+    )
 
 
 def why_not(call: Call) -> str | None:

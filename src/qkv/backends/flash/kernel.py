@@ -67,6 +67,7 @@ _AVX512_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 _loaded: dict[str, ModuleType | None] = {}
 _chosen: dict[str, str] = {}
 _bfloat16: dict[str, bool] = {}
+_units: dict[str, bool] = {}
 
 
 def capability_flags(isa: str) -> list[str]:
@@ -156,6 +157,15 @@ def bfloat16_products() -> bool:
     return _bfloat16[ISA]
 
 
+def matrix_units() -> bool:
+    """Whether oneDNN runs bfloat16 products on this CPU's matrix units (AMX). False where the
+    kernel is not built."""
+    if ISA not in _units:
+        module = load()
+        _units[ISA] = module is not None and bool(module.bfloat16_matrix_units())
+    return _units[ISA]
+
+
 def products() -> str:
     """Where the float32 products run in this build: ``GEMM``, or for "auto" oneDNN's brgemm in
     a build with 512-bit vectors (its AVX-512 micro-kernels beat the kernel's own tiles there)
@@ -172,7 +182,8 @@ def products() -> str:
     return GEMM
 
 
-def _products() -> str:  # products(), worked out once per ISA and GEMM
+def cached_products() -> str:
+    """``products()``, worked out once per ISA and GEMM (asked on every call of the kernel)."""
     key = f"{ISA}/{GEMM}"
     if key not in _chosen:
         _chosen[key] = products()
@@ -294,7 +305,7 @@ def forward(
             scale,
             causal,
             causal_offset or 0,
-            PRODUCTS.index(_products()),
+            PRODUCTS.index(cached_products()),
             bounds,
             heads_per_range,
             *rules,
