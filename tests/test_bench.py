@@ -167,7 +167,8 @@ def test_the_arguments_table_times_each_argument_against_the_plain_call(
         assert row["ms"] > 0 and row["path"] in ("kernel", "loop")
         if row["variant"] == "causal":
             assert row["vs_causal"] == 1.0
-    assert {r["path"] for r in rows} == {"kernel"}  # the compiled kernel takes them all
+    # the compiled kernel takes them all, where it is built (the loop otherwise)
+    assert {r["path"] for r in rows} == {"kernel" if kernel.load() is not None else "loop"}
     captured = capsys.readouterr()
     assert "vs causal" in captured.out and "+ window=T/32" in captured.out
     assert len(captured.err.splitlines()) == len(cases.PASSES)
