@@ -250,7 +250,9 @@ def _rule_arguments(case: tuple[Any, ...], dtype: torch.dtype) -> tuple[list[tor
         "runs": torch.arange(keys) // 97,
         "sinks": torch.randn(heads, generator=generator),
         "slopes": torch.rand(heads, generator=generator),
-        "batch slopes": torch.rand(q_shape[0], heads, generator=generator),
+        # a slope of 0 (head 0) changes no score but still has a gradient
+        "batch slopes": torch.rand(q_shape[0], heads, generator=generator)
+        * (torch.arange(heads) > 0),
     }
     kwargs = {name: values.get(x, x) if isinstance(x, str) else x for name, x in structure.items()}
     for name in ("alibi_slopes", "sinks"):

@@ -339,28 +339,43 @@ inline void tile_gradients(float* p, float* ds, int64_t seen, int64_t n, float c
 // query: the scores are changed as the forward pass changed them (modify_row's function),
 // s' = cap · t − slope · |d| with t = tanh(s · scale / cap), then p_j = 2^(s'_j · log2 e − top),
 // ds'_j = p_j (dp_j − delta), and ds_j = ds'_j (1 − t_j²) (scale is applied by the caller).
-// Returns Σ_j ds'_j · |d0 − j|, the row's part of −dL/d slope.
+// Returns Σ_j ds'_j · |d0 − j|, the row's part of −dL/d slope (0 without a slope). Capped and
+// Biased (a slope) are template arguments, so that neither costs a row that lacks it.
+template <bool Capped, bool Biased>
 inline float rule_gradients(float* p, float* ds, int64_t n, float scale, float cap, float slope,
                             int64_t d0, float top, float delta) {
-  const bool capped = cap != 0.f;
-  const Vec vscale(scale), vcap(cap), vinv(capped ? 1.f / cap : 0.f), vslope(slope);
+  const Vec vscale(scale), vcap(cap), vinv(Capped ? 1.f / cap : 0.f), vslope(slope);
   const Vec vc(kLog2E), vtop(top), vdelta(delta), lane = Vec::arange(0.f, 1.f);
   Vec distance_sum(0.f);
   for (int64_t j = 0; j < n; j += kLanes) {
     const int64_t count = std::min(kLanes, n - j);
-    Vec x = Vec::loadu(p + j, count) * vscale, t(0.f);
-    if (capped) t = tanh_vec(x * vinv), x = vcap * t;
-    const Vec distance = (Vec(static_cast<float>(d0 - j)) - lane).abs();
-    if (slope != 0.f) x = x - vslope * distance;
+    Vec x = Vec::loadu(p + j, count) * vscale, t(0.f), distance(0.f);
+    if constexpr (Capped) t = tanh_vec(x * vinv), x = vcap * t;
+    if constexpr (Biased) {
+      distance = (Vec(static_cast<float>(d0 - j)) - lane).abs();
+      x = x - vslope * distance;
+    }
     const Vec weight = exp2_vec(at::vec::fmsub(x, vc, vtop), kExp2Degree5);
     Vec grad = weight * (Vec::loadu(ds + j, count) - vdelta);
-    // (lanes past count: their weight and grad are garbage, left out of the sum)
-    distance_sum = distance_sum + Vec::blendv(Vec(0.f), grad * distance, first_lanes(count));
-    if (capped) grad = grad * (Vec(1.f) - t * t);
+    if constexpr (Biased) {  // (lanes past count hold garbage: left out of the sum)
+      distance_sum = distance_sum + Vec::blendv(Vec(0.f), grad * distance, first_lanes(count));
+    }
+    if constexpr (Capped) grad = grad * (Vec(1.f) - t * t);
     weight.store(p + j, count);
     grad.store(ds + j, count);
   }
-  return sum_lanes(distance_sum);
+  return Biased ? sum_lanes(distance_sum) : 0.f;
+}
+
+// rule_gradients for the rules a call has (a cap, slopes, or both).
+inline float rule_gradients_of(const ScoreRules& rules, float* p, float* ds, int64_t n,
+                               float scale, float slope, int64_t d0, float top, float delta) {
+  // (a slope of 0 still has a gradient: Biased wherever the call has slopes)
+  if (rules.cap != 0.f && rules.slopes != nullptr)
+    return rule_gradients<true, true>(p, ds, n, scale, rules.cap, slope, d0, top, delta);
+  if (rules.cap != 0.f)
+    return rule_gradients<true, false>(p, ds, n, scale, rules.cap, slope, d0, top, delta);
+  return rule_gradients<false, true>(p, ds, n, scale, rules.cap, slope, d0, top, delta);
 }
 
 // Keys and values in the order the products read them.
@@ -1051,8 +1066,9 @@ std::vector<at::Tensor> backward(
               std::fill(ds_r, ds_r + from, 0.f);
               if (rules.any()) {
                 const int64_t d0 = q0 + r + rules.shift - (k0 + from);
-                distance_sum += rule_gradients(p_r + from, ds_r + from, seen, static_cast<float>(scale),
-                                               rules.cap, slope, d0, top, row_delta);
+                distance_sum += rule_gradients_of(rules, p_r + from, ds_r + from, seen,
+                                                  static_cast<float>(scale), slope, d0, top,
+                                                  row_delta);
                 std::fill(p_r + from + seen, p_r + kn, 0.f);
                 std::fill(ds_r + from + seen, ds_r + kn, 0.f);
               } else {
