@@ -24,7 +24,8 @@ import torch
 from oracle import TOLERANCE, oracle
 
 import qkv
-from qkv.backends.flash import kernel
+from qkv.backends.flash import kernel, loop
+from qkv.backends.flash.rules import Rules, kernel_ranges
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -183,8 +184,8 @@ def test_the_compiled_backward_is_deterministic() -> None:
         first, second = (kernel.backward(q, k, v, out, grad_out, lse, 0.2, 0) for _ in range(2))
     finally:
         torch.set_num_threads(threads)
-    assert first is not None and second is not None
-    for one, two in zip(first, second, strict=True):
+    assert first is not None and second is not None and first[3] is None  # no slopes
+    for one, two in zip(first[:3], second[:3], strict=True):
         assert torch.equal(one, two)
 
 
@@ -212,3 +213,111 @@ def test_the_source_compiles_for_aarch64() -> None:
     ]
     run = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
+
+
+# (name, q shape, k shape, keyword arguments): every score rule the compiled backward takes, with
+# grouped heads, causal or not, lengths crossing key blocks (512 keys) and query blocks (128).
+RULE_CASES = [
+    ("window", (2, 4, 300, 24), (2, 2, 700, 24), {"causal": True, "window": 100}),
+    ("two-sided window", (1, 4, 600, 32), (1, 2, 600, 32), {"window": (37, 200)}),
+    ("segments", (2, 4, 700, 16), (2, 2, 700, 16), {"causal": True, "segments": "runs"}),
+    ("softcap", (1, 4, 300, 40), (1, 2, 650, 40), {"softcap": 0.7}),
+    ("causal softcap", (2, 2, 300, 32), (2, 2, 300, 32), {"causal": True, "softcap": 5.0}),
+    ("alibi", (2, 4, 260, 32), (2, 1, 600, 32), {"alibi_slopes": "slopes"}),
+    (
+        "everything",
+        (2, 4, 600, 16),
+        (2, 2, 600, 16),
+        {
+            "causal": True,
+            "window": (150, None),
+            "segments": "runs",
+            "softcap": 2.0,
+            "alibi_slopes": "batch slopes",
+            "sinks": "sinks",
+        },
+    ),
+]
+
+
+def _rule_arguments(case: tuple[Any, ...], dtype: torch.dtype) -> tuple[list[torch.Tensor], dict]:
+    """[q, k, v] and the keyword arguments of a RULE_CASES case, slopes and sinks learnable."""
+    _, q_shape, k_shape, structure = case
+    generator = torch.Generator().manual_seed(q_shape[-2] + k_shape[-2])
+    q, k, v = (torch.randn(s, generator=generator) for s in (q_shape, k_shape, k_shape))
+    heads, keys = q_shape[1], k_shape[-2]
+    values = {
+        "runs": torch.arange(keys) // 97,
+        "sinks": torch.randn(heads, generator=generator),
+        "slopes": torch.rand(heads, generator=generator),
+        # a slope of 0 (head 0) changes no score but still has a gradient
+        "batch slopes": torch.rand(q_shape[0], heads, generator=generator)
+        * (torch.arange(heads) > 0),
+    }
+    kwargs = {name: values.get(x, x) if isinstance(x, str) else x for name, x in structure.items()}
+    for name in ("alibi_slopes", "sinks"):
+        if name in kwargs:
+            kwargs[name] = kwargs[name].requires_grad_()
+    return [x.to(dtype).requires_grad_() for x in (q, k, v)], kwargs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", RULE_CASES, ids=[case[0] for case in RULE_CASES])
+def test_the_compiled_backward_takes_every_score_rule(
+    monkeypatch: pytest.MonkeyPatch, case: tuple[Any, ...], dtype: torch.dtype
+) -> None:
+    """Windows, packed segments, soft-capping and ALiBi (its slopes' gradient too) on the
+    kernel's backward pass, never the loop's, against the float64 reference's gradients."""
+    if kernel.load() is None:
+        pytest.skip("the compiled kernel is switched off or cannot be built here")
+    compiled, calls = kernel.backward, []
+    monkeypatch.setattr(kernel, "backward", lambda *a: calls.append(1) or compiled(*a))
+    monkeypatch.setattr(loop, "backward_all", None)  # the loop's backward must not run
+    leaves, kwargs = _rule_arguments(case, dtype)
+    names = [n for n in ("alibi_slopes", "sinks") if n in kwargs]
+    out = qkv.attention(*leaves, backend="flash", **kwargs)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    grads = torch.autograd.grad(out, [*leaves, *(kwargs[n] for n in names)], grad_out)
+    assert calls == [1], "the backward pass did not run on the kernel"
+    wide = {n: x.detach().double().requires_grad_() for n, x in zip("qkv", leaves)}
+    wide_kwargs = {**kwargs, **{n: kwargs[n].detach().double().requires_grad_() for n in names}}
+    expected_out = qkv.attention(*wide.values(), backend="reference", **wide_kwargs)
+    wrt = [*wide.values(), *(wide_kwargs[n] for n in names)]
+    expected = torch.autograd.grad(expected_out, wrt, grad_out.double())
+    atol, rtol = TOLERANCE[dtype]
+    # slopes and sinks: sums over every row (and key), whose rounding errors add up
+    summed = out.shape[0] * out.shape[-2] * leaves[1].shape[-2]
+    for name, grad, want in zip(["q", "k", "v", *names], grads, expected, strict=True):
+        scale = 1.0 if name in "qkv" else summed**0.5
+        torch.testing.assert_close(
+            grad.double(),
+            want,
+            atol=4 * atol * scale,
+            rtol=4 * rtol,
+            msg=lambda m, name=name: f"{name}: {m}",
+        )
+
+
+def test_the_compiled_backward_with_rules_is_deterministic() -> None:
+    """A window, soft-capping and ALiBi, two threads splitting one key/value head's query
+    blocks: the same call twice gives the same bits, the slopes' gradient included."""
+    if kernel.load() is None:
+        pytest.skip("the compiled kernel is switched off or cannot be built here")
+    q, k, v = (torch.randn(1, 4, 700, 32) for _ in range(3))
+    k, v = k[:, :1], v[:, :1]
+    ranges = kernel_ranges(Rules(window_offset=-200), 0, (1,), 4, 700, 700)
+    rules = (ranges, 5.0, torch.rand(4))
+    forward = kernel.forward(q, k, v, 0.2, 0, *rules)
+    assert forward is not None, "the kernel does not take this call"
+    out, lse = forward
+    grad_out = torch.randn(out.shape)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = [kernel.backward(q, k, v, out, grad_out, lse, 0.2, 0, *rules) for _ in range(2)]
+    finally:
+        torch.set_num_threads(threads)
+    first, second = runs
+    assert first is not None and second is not None and first[3] is not None
+    for one, two in zip(first, second, strict=True):
+        assert torch.equal(one, two)

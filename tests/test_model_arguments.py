@@ -431,7 +431,8 @@ def test_tiles_outside_the_window_or_the_segments_are_skipped(
 def test_the_compiled_kernel_takes_every_argument_but_segments_in_pieces() -> None:
     """Sinks join after the kernel; soft-capping and ALiBi change each score before its
     exponential; windows and segments in contiguous runs are each row's range of keys. Segment
-    ids whose keys are scattered need a comparison per score: the loop."""
+    ids whose keys are scattered need a comparison per score: the loop. The backward pass
+    takes the same calls, but for a gradient through a returned log-sum-exp."""
     q, k, v = (torch.randn(2, 2, 40, 8) for _ in range(3))
     plain = dict(mask=None, causal=True, scale=None, dropout_p=0.0, return_weights=False)
     runs = torch.arange(40) // 7
@@ -448,6 +449,9 @@ def test_the_compiled_kernel_takes_every_argument_but_segments_in_pieces() -> No
         built, _ = canonical_call(q, k, v, **plain, backend="flash", **extra)
         expected = extra in takes and flash_kernel.takes(q, k, v)
         assert flash.runs_compiled(built) == expected, extra
+        assert flash.differentiates_compiled(built) == expected, extra  # the same rules
+    lse_call, _ = canonical_call(q, k, v, **plain, backend="flash", return_lse=True)
+    assert not flash.differentiates_compiled(lse_call)  # lse's gradient: the loop
 
 
 @pytest.fixture

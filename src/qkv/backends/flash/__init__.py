@@ -105,7 +105,7 @@ def backward(
     if mask is None:
         compiled = kernel.backward(q, k, v, out, grad_out, lse, scale, causal_offset)
         if compiled is not None:
-            return compiled
+            return compiled[:3]
     return loop.backward(
         q, k, v, out, grad_out, lse, scale=scale, causal_offset=causal_offset, mask=mask
     )
@@ -124,14 +124,13 @@ def runs_compiled(call: Call) -> bool:
 
 def differentiates_compiled(call: Call) -> bool:
     """Whether this backend runs ``call``'s backward pass on the compiled kernel: no mask, no
-    score rules (soft-capping, ALiBi, a window, segments), no gradient through a returned
-    log-sum-exp, q, k and v of one batch shape, and a call the kernel takes."""
+    gradient through a returned log-sum-exp, q, k and v of one batch shape, segments (if any)
+    in contiguous runs (``rules.kernel_ranges``), and a call the kernel takes."""
     return (
         call.mask is None
-        and rules_of(call) is None
         and not call.return_lse
         and call.q.shape[:-3] == call.k.shape[:-3] == call.v.shape[:-3]
-        and kernel.takes(call.q, call.k, call.v)
+        and runs_compiled(call)
     )
 
 
@@ -267,15 +266,10 @@ class _FlashAttention(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         compiled = None
-        if options.mask is None and options.rules is None and grad_lse is None:
-            # the kernel's backward: out and lse already hold the sinks' share, and a sink's
-            # value is 0, so the keys' gradients are those of plain attention given out and lse
-            compiled = kernel.backward(
-                q, k, v, out, grad_out, lse, options.scale, options.causal_offset
-            )
+        if options.mask is None and grad_lse is None:
+            compiled = compiled_backward(q, k, v, out, grad_out, lse, options)
         if compiled is not None:
-            dq, dk, dv = compiled
-            dslopes = None
+            dq, dk, dv, dslopes = compiled
         else:
             dq, dk, dv, dslopes = loop.backward_all(
                 q,
@@ -296,6 +290,36 @@ class _FlashAttention(torch.autograd.Function):
         if dslopes is not None and alibi_slopes is not None:
             dslopes = dslopes.sum_to_size(alibi_slopes.shape).to(alibi_slopes.dtype)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, dslopes, None
+
+
+def compiled_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    options: _Options,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """The kernel's backward pass of an unmasked call with its score rules (None where the
+    kernel does not take it). out and lse already hold the sinks' share, and a sink's value is
+    0, so the keys' gradients are those of plain attention given out and lse."""
+    batch, (hq, lq), lk = q.shape[:-3], q.shape[-3:-1], k.shape[-2]
+    ranges = kernel_ranges(options.rules, options.causal_offset, batch, hq, lq, lk)
+    if ranges is None:  # segment ids whose keys are not contiguous runs
+        return None
+    rules = options.rules
+    softcap = None if rules is None else rules.softcap
+    slopes = kernel_slopes(rules, batch, hq)
+    compiled = kernel.backward(
+        q, k, v, out, grad_out, lse, options.scale, options.causal_offset, ranges, softcap, slopes
+    )
+    if compiled is None:
+        return None
+    dq, dk, dv, dslopes = compiled
+    if dslopes is not None:
+        dslopes = dslopes.view(*batch, hq)
+    return dq, dk, dv, dslopes
 
 
 def sink_gradient(

@@ -335,6 +335,49 @@ inline void tile_gradients(float* p, float* ds, int64_t seen, int64_t n, float c
   std::fill(ds + seen, ds + n, 0.f);
 }
 
+// tile_gradients for a call with score rules, keys j = 0 … n − 1 at distance d0 − j from the
+// query: the scores are changed as the forward pass changed them (modify_row's function),
+// s' = cap · t − slope · |d| with t = tanh(s · scale / cap), then p_j = 2^(s'_j · log2 e − top),
+// ds'_j = p_j (dp_j − delta), and ds_j = ds'_j (1 − t_j²) (scale is applied by the caller).
+// Returns Σ_j ds'_j · |d0 − j|, the row's part of −dL/d slope (0 without a slope). Capped and
+// Biased (a slope) are template arguments, so that neither costs a row that lacks it.
+template <bool Capped, bool Biased>
+inline float rule_gradients(float* p, float* ds, int64_t n, float scale, float cap, float slope,
+                            int64_t d0, float top, float delta) {
+  const Vec vscale(scale), vcap(cap), vinv(Capped ? 1.f / cap : 0.f), vslope(slope);
+  const Vec vc(kLog2E), vtop(top), vdelta(delta), lane = Vec::arange(0.f, 1.f);
+  Vec distance_sum(0.f);
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const int64_t count = std::min(kLanes, n - j);
+    Vec x = Vec::loadu(p + j, count) * vscale, t(0.f), distance(0.f);
+    if constexpr (Capped) t = tanh_vec(x * vinv), x = vcap * t;
+    if constexpr (Biased) {
+      distance = (Vec(static_cast<float>(d0 - j)) - lane).abs();
+      x = x - vslope * distance;
+    }
+    const Vec weight = exp2_vec(at::vec::fmsub(x, vc, vtop), kExp2Degree5);
+    Vec grad = weight * (Vec::loadu(ds + j, count) - vdelta);
+    if constexpr (Biased) {  // (lanes past count hold garbage: left out of the sum)
+      distance_sum = distance_sum + Vec::blendv(Vec(0.f), grad * distance, first_lanes(count));
+    }
+    if constexpr (Capped) grad = grad * (Vec(1.f) - t * t);
+    weight.store(p + j, count);
+    grad.store(ds + j, count);
+  }
+  return Biased ? sum_lanes(distance_sum) : 0.f;
+}
+
+// rule_gradients for the rules a call has (a cap, slopes, or both).
+inline float rule_gradients_of(const ScoreRules& rules, float* p, float* ds, int64_t n,
+                               float scale, float slope, int64_t d0, float top, float delta) {
+  // (a slope of 0 still has a gradient: Biased wherever the call has slopes)
+  if (rules.cap != 0.f && rules.slopes != nullptr)
+    return rule_gradients<true, true>(p, ds, n, scale, rules.cap, slope, d0, top, delta);
+  if (rules.cap != 0.f)
+    return rule_gradients<true, false>(p, ds, n, scale, rules.cap, slope, d0, top, delta);
+  return rule_gradients<false, true>(p, ds, n, scale, rules.cap, slope, d0, top, delta);
+}
+
 // Keys and values in the order the products read them.
 //   float32, own tiles: kᵀ in column panels of kPanel columns, zero-padded (N, ⌈S / kPanel⌉,
 //             D, kPanel); v as given (its rows are the panels' rows, kDepth of them at a time).
@@ -942,9 +985,13 @@ void pack_transposed(const float* x, int64_t S, int64_t D, float* to) {
 // a contiguous share of its query blocks, and sums into its own dK and dV, in a fixed order;
 // where there are fewer heads than threads, a head's query blocks are split into parts whose
 // dK and dV are added up in order at the end. Rows with lse = −inf (no key) get P = 0.
+// With the forward's rules: each row only its keys [lo, hi) (key blocks no row of a query block
+// may see are skipped), and soft-capped or ALiBi scores recomputed as the forward pass made them
+// (rule_gradients); the fourth result is then ALiBi's slopes' gradient (NG,), else empty.
 std::vector<at::Tensor> backward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& dout, const at::Tensor& lse, double scale, bool causal, int64_t offset) {
+    const at::Tensor& dout, const at::Tensor& lse, double scale, bool causal, int64_t offset,
+    const at::Tensor& ranges, int64_t heads_per_range, double softcap, const at::Tensor& slopes) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
               v.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
@@ -955,7 +1002,9 @@ std::vector<at::Tensor> backward(
   const int64_t NG = q.size(0), Lq = q.size(1), D = q.size(2);
   const int64_t N = k.size(0), S = k.size(1), Dv = v.size(2), g = NG / N;
   const int64_t query_blocks = (Lq + kQueryBlock - 1) / kQueryBlock;
-  const float c = static_cast<float>(scale) * kLog2E;
+  const KeyBounds bounds = key_bounds(causal, offset, S, Lq, ranges, heads_per_range);
+  const ScoreRules rules = score_rules(softcap, slopes, NG, S, Lq);
+  const float c = static_cast<float>(scale) * kLog2E;  // (with rules: kLog2E, rule_gradients)
   const at::Tensor delta = (dout * out).sum(-1).contiguous();  // (NG, Lq)
   // In base 2, as the scores; +inf where there is no key, so that 2^(s · c − lse) = 0.
   const at::Tensor lse2 = at::where(lse == kNegInf, -kNegInf, lse * kLog2E).contiguous();
@@ -966,11 +1015,12 @@ std::vector<at::Tensor> backward(
   auto dq = at::empty({NG, Lq, D}, q.options());
   auto dk_parts = at::zeros({parts, N, S, D}, k.options());
   auto dv_parts = at::zeros({parts, N, S, Dv}, v.options());
+  auto dslope_parts = at::zeros({parts, rules.slopes == nullptr ? 0 : NG}, q.options());
   const float *qd = q.const_data_ptr<float>(), *kd = k.const_data_ptr<float>();
   const float *od = dout.const_data_ptr<float>(), *ld = lse2.const_data_ptr<float>();
   const float *dd = delta.const_data_ptr<float>(), *vd = v.const_data_ptr<float>();
   float *dqd = dq.data_ptr<float>(), *dkd = dk_parts.data_ptr<float>();
-  float* dvd = dv_parts.data_ptr<float>();
+  float *dvd = dv_parts.data_ptr<float>(), *dsd = dslope_parts.data_ptr<float>();
   at::parallel_for(0, N * parts, 1, [&](int64_t begin, int64_t end) {
     Scratch<float> weights(kQueryBlock * kScoreStride), grads(kQueryBlock * kScoreStride);
     Scratch<float> dq_block(kQueryBlock * D);
@@ -985,13 +1035,20 @@ std::vector<at::Tensor> backward(
       float* dk_head = dkd + (part * N + kv) * S * D;
       float* dv_head = dvd + (part * N + kv) * S * Dv;
       for (int64_t head = kv * g; head < (kv + 1) * g; ++head) {
+        const float slope = rules.slopes == nullptr ? 0.f : rules.slopes[head];
+        double distance_sum = 0.0;  // −dL/d slope of this head over this task's rows
         for (int64_t i = first; i < last; ++i) {
           const int64_t q0 = i * kQueryBlock, rows = std::min(kQueryBlock, Lq - q0);
           const float* q_block = qd + (head * Lq + q0) * D;
           const float* dout_block = od + (head * Lq + q0) * Dv;
-          const int64_t keys_end = causal ? std::clamp<int64_t>(q0 + rows + offset, 0, S) : S;
+          // Keys this block's rows may see (key blocks outside are skipped), from a whole panel.
+          int64_t keys_begin = S, keys_end = 0;
+          for (int64_t r = 0; r < rows; ++r) {
+            const auto [lo, hi] = bounds.row(head, q0 + r);
+            if (lo < hi) keys_begin = std::min(keys_begin, lo), keys_end = std::max(keys_end, hi);
+          }
           std::fill(dq_block.begin(), dq_block.end(), 0.f);
-          for (int64_t k0 = 0; k0 < keys_end; k0 += kKeyBlock) {
+          for (int64_t k0 = keys_begin / kPanel * kPanel; k0 < keys_end; k0 += kKeyBlock) {
             const int64_t kn = std::min(kKeyBlock, keys_end - k0);
             float *p = weights.data(), *ds = grads.data();
             product_tiles(rows, kn, D, q_block, D, 1, kp + k0 * D, kPanel, D * kPanel, p,
@@ -999,9 +1056,24 @@ std::vector<at::Tensor> backward(
             product_tiles(rows, kn, Dv, dout_block, Dv, 1, vp + k0 * Dv, kPanel, Dv * kPanel, ds,
                           kScoreStride, false);  // dP = dO · vᵀ
             for (int64_t r = 0; r < rows; ++r) {
-              const int64_t seen = causal ? std::clamp<int64_t>(q0 + r + offset + 1 - k0, 0, kn) : kn;
+              // Keys from … from + seen − 1 of this block row r may see; the rest get 0.
+              const auto [lo, hi] = bounds.row(head, q0 + r);
+              const int64_t from = std::clamp<int64_t>(lo - k0, 0, kn);
+              const int64_t seen = std::max(from, std::clamp<int64_t>(hi - k0, 0, kn)) - from;
               const float top = ld[head * Lq + q0 + r], row_delta = dd[head * Lq + q0 + r];
-              tile_gradients(p + r * kScoreStride, ds + r * kScoreStride, seen, kn, c, top, row_delta);
+              float *p_r = p + r * kScoreStride, *ds_r = ds + r * kScoreStride;
+              std::fill(p_r, p_r + from, 0.f);
+              std::fill(ds_r, ds_r + from, 0.f);
+              if (rules.any()) {
+                const int64_t d0 = q0 + r + rules.shift - (k0 + from);
+                distance_sum += rule_gradients_of(rules, p_r + from, ds_r + from, seen,
+                                                  static_cast<float>(scale), slope, d0, top,
+                                                  row_delta);
+                std::fill(p_r + from + seen, p_r + kn, 0.f);
+                std::fill(ds_r + from + seen, ds_r + kn, 0.f);
+              } else {
+                tile_gradients(p_r + from, ds_r + from, seen, kn - from, c, top, row_delta);
+              }
             }
             product_tiles(kn, Dv, rows, p, 1, kScoreStride, dout_block, Dv, kPanel,
                           dv_head + k0 * Dv, Dv, true);  // dV += Pᵀ · dO
@@ -1013,12 +1085,13 @@ std::vector<at::Tensor> backward(
           float* dq_rows = dqd + (head * Lq + q0) * D;
           for (int64_t e = 0; e < rows * D; ++e) dq_rows[e] = dq_block[e] * static_cast<float>(scale);
         }
+        if (rules.slopes != nullptr) dsd[part * NG + head] = static_cast<float>(-distance_sum);
       }
     }
   });
   at::Tensor dk = parts == 1 ? dk_parts[0] : dk_parts.sum(0);  // parts added up in order
   at::Tensor dv = parts == 1 ? dv_parts[0] : dv_parts.sum(0);
-  return {dq, dk.mul_(scale), dv};
+  return {dq, dk.mul_(scale), dv, dslope_parts.sum(0)};
 }
 
 // Whether oneDNN runs bfloat16 products on this CPU's matrix units (AMX).

@@ -5,7 +5,8 @@ a window and packed sequences given as each query row's range of keys), one quer
 of one head at a time in cache-sized buffers, with one fused exp/sum pass per key block. Calls
 with fewer than ``DECODE_QUERIES`` queries (decoding) take its other path: one query row at a
 time, K/V read where they lie, so a KV cache's buffer is never copied. Its backward pass
-(``backward``) recomputes each tile's weights from the saved log-sum-exp and sums dQ, dK and dV
+(``backward``) takes the same rules (key ranges, soft-capping, ALiBi, with the slopes'
+gradient), recomputes each tile's weights from the saved log-sum-exp and sums dQ, dK and dV
 per block, in a fixed order (the same bits on every run).
 
 The kernel is compiled the first time it is needed with torch's C++ extension tooling (a C++
@@ -323,10 +324,16 @@ def backward(
     lse: torch.Tensor,
     scale: float,
     causal_offset: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """``loop.backward`` (without a mask) on the compiled kernel: (dq, dk, dv) in float32 with
-    the shapes of q, k and v, or None where it does not apply: ``takes``, and q, k and v of one
-    batch shape (dk and dv then need no sum over broadcast batch dims)."""
+    ranges: tuple[torch.Tensor, int] | None = None,
+    softcap: float | None = None,
+    slopes: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """``loop.backward_all`` (without a mask or a log-sum-exp gradient) on the compiled kernel:
+    (dq, dk, dv, dslopes) in float32, dq, dk and dv with the shapes of q, k and v, or None where
+    it does not apply: ``takes``, and q, k and v of one batch shape (dk and dv then need no sum
+    over broadcast batch dims). ``ranges``, ``softcap`` and ``slopes`` as for ``forward``;
+    dslopes is ALiBi's slopes' gradient, one per query head of the flattened (*B, Hq) (None
+    without slopes)."""
     if not (takes(q, k, v) and q.dim() >= 3 and q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
         return None
     kernel = load()
@@ -334,7 +341,8 @@ def backward(
     f32 = torch.float32
     q_flat, k_flat, v_flat, _ = flat_heads(q, k, v, f32)
     rows = q_flat.flatten(0, 1).shape  # (N·g, Lq, Dk)
-    dq, dk, dv = kernel.backward(
+    bounds, heads_per_range = (torch.empty(0, dtype=torch.long), 1) if ranges is None else ranges
+    dq, dk, dv, dslopes = kernel.backward(
         q_flat.reshape(rows).contiguous(),
         k_flat.contiguous(),
         v_flat.contiguous(),
@@ -344,8 +352,13 @@ def backward(
         scale,
         causal_offset is not None,
         causal_offset or 0,
+        bounds,
+        heads_per_range,
+        softcap or 0.0,
+        torch.empty(0) if slopes is None else slopes,
     )
-    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+    grads = dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+    return (*grads, None if slopes is None else dslopes)
 
 
 def decode_step_takes(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> bool:
