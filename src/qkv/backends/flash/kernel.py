@@ -153,8 +153,7 @@ def bfloat16_products() -> bool:
         limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
         allowed = limit == "ALL" or "BF16" in limit or "AMX" in limit
         dot_products = ISA == "native" and "avx512_bf16" in cpu_flags()
-        units = module is not None and module.bfloat16_matrix_units()
-        _bfloat16[ISA] = module is not None and allowed and (units or dot_products)
+        _bfloat16[ISA] = module is not None and allowed and (matrix_units() or dot_products)
     return _bfloat16[ISA]
 
 
