@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qkv import _checks
+from qkv import _checks, masks
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -94,6 +94,22 @@ class Call:
     def compute_dtype(self) -> torch.dtype:
         """float32 for float16/bfloat16 (scores, softmax and sums), otherwise the input dtype."""
         return compute_dtype(self.q.dtype)
+
+    def may_attend(self, with_mask: bool = True) -> torch.Tensor | None:
+        """Bool "may attend" over the whole call, broadcastable to (*batch, Hq, Lq, Lk): the
+        mask (unless ``with_mask`` is False), the causal rule, the window and the segments
+        together; None where every query may attend every key."""
+        return masks.tile_keep(
+            self.mask if with_mask else None,
+            self.causal_offset,
+            0,
+            self.q.shape[-2],
+            0,
+            self.k.shape[-2],
+            self.q.device,
+            window_offset=self.window_offset,
+            segments=self.segments,
+        )
 
 
 @dataclass(slots=True)

@@ -27,23 +27,13 @@ def attention(call: Call) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tens
     if call.groups > 1:  # grouped-query: key/value head j serves query heads j*g ... j*g+g-1
         k = k.repeat_interleave(call.groups, dim=-3)  # (*B, Hq, Lk, Dk)
         v = v.repeat_interleave(call.groups, dim=-3)  # (*B, Hq, Lk, Dv)
-    lq, lk = q.shape[-2], k.shape[-2]
+    lk = k.shape[-2]
     scores = _scores(call, q, k)  # (*B, Hq, Lq, Lk)
 
     # Blocked keys get -inf, so exp(-inf) = 0 weight: not a small number like -1e9 or 1e-20,
     # which leaks weight to masked keys (and -1e9 overflows in float16). A key is blocked by the
     # mask, the causal rule, the window (i' - left <= j <= i' + right) or another segment.
-    keep = masks.tile_keep(
-        call.mask,
-        call.causal_offset,
-        0,
-        lq,
-        0,
-        lk,
-        q.device,
-        window_offset=call.window_offset,
-        segments=call.segments,
-    )
+    keep = call.may_attend()  # (*B, Hq, Lq, Lk) broadcastable, or None
     has_key = None
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))

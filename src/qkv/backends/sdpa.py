@@ -66,17 +66,7 @@ def attention(call: Call) -> tuple[torch.Tensor, None, None]:
     is_causal = call.causal_offset == 0 and plain
     mask = call.mask
     if (call.causal_offset is not None and not is_causal) or call.structured:
-        rules = masks.tile_keep(
-            None,
-            call.causal_offset,
-            0,
-            lq,
-            0,
-            lk,
-            q.device,
-            window_offset=call.window_offset,
-            segments=call.segments,
-        )  # causal rule, window and segments as one bool (…, Lq, Lk) mask
+        rules = call.may_attend(with_mask=False)  # causal rule, window, segments: (…, Lq, Lk)
         mask = masks.combine(mask, rules)
     if call.alibi_slopes is not None:
         bias = masks.alibi_bias(call.alibi_slopes, 0, lq, 0, lk, lk - lq, q.dtype)

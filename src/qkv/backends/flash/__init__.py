@@ -57,15 +57,9 @@ def forward(
     a sink is a key with logit sinks[h] and value 0, so it rescales out by exp(lse − lse') and
     adds to the log-sum-exp."""
     compiled = None
-    if mask is None:
-        batch = _checks.broadcast_shape(q.shape[:-3], k.shape[:-3], v.shape[:-3])
-        assert batch is not None  # checked with the call
-        hq, lq, lk = q.shape[-3], q.shape[-2], k.shape[-2]
-        ranges = kernel_ranges(rules, causal_offset, batch, hq, lq, lk)
-        if ranges is not None:
-            softcap = None if rules is None else rules.softcap
-            slopes = kernel_slopes(rules, batch, hq)
-            compiled = kernel.forward(q, k, v, scale, causal_offset, ranges, softcap, slopes)
+    arguments = _kernel_rules(q, k, v, causal_offset, rules) if mask is None else None
+    if arguments is not None:
+        compiled = kernel.forward(q, k, v, scale, causal_offset, *arguments)
     if compiled is not None:  # (the kernel's outputs are never part of a graph)
         out, lse = compiled
     else:
@@ -75,6 +69,26 @@ def forward(
     if sinks is not None:
         out, lse = with_sinks(out, lse, sinks)
     return out, lse
+
+
+def _kernel_rules(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal_offset: int | None,
+    rules: Rules | None,
+) -> tuple[tuple[torch.Tensor, int], float | None, torch.Tensor | None] | None:
+    """A call's score rules as the compiled kernel takes them, forward and backward: (the key
+    range of each query row, the soft-cap, ALiBi's slopes flattened over (*B, Hq)); None where
+    the kernel cannot take them (segment ids whose keys are not contiguous runs)."""
+    batch = _checks.broadcast_shape(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+    assert batch is not None  # checked with the call
+    hq, lq, lk = q.shape[-3], q.shape[-2], k.shape[-2]
+    ranges = kernel_ranges(rules, causal_offset, batch, hq, lq, lk)
+    if ranges is None:
+        return None
+    softcap = None if rules is None else rules.softcap
+    return ranges, softcap, kernel_slopes(rules, batch, hq)
 
 
 def with_sinks(
@@ -127,10 +141,9 @@ def differentiates_compiled(call: Call) -> bool:
     gradient through a returned log-sum-exp, q, k and v of one batch shape, segments (if any)
     in contiguous runs (``rules.kernel_ranges``), and a call the kernel takes."""
     return (
-        call.mask is None
-        and not call.return_lse
+        not call.return_lse
         and call.q.shape[:-3] == call.k.shape[:-3] == call.v.shape[:-3]
-        and runs_compiled(call)
+        and runs_compiled(call)  # (no mask, among what it asks)
     )
 
 
@@ -304,21 +317,17 @@ def compiled_backward(
     """The kernel's backward pass of an unmasked call with its score rules (None where the
     kernel does not take it). out and lse already hold the sinks' share, and a sink's value is
     0, so the keys' gradients are those of plain attention given out and lse."""
-    batch, (hq, lq), lk = q.shape[:-3], q.shape[-3:-1], k.shape[-2]
-    ranges = kernel_ranges(options.rules, options.causal_offset, batch, hq, lq, lk)
-    if ranges is None:  # segment ids whose keys are not contiguous runs
+    arguments = _kernel_rules(q, k, v, options.causal_offset, options.rules)
+    if arguments is None:
         return None
-    rules = options.rules
-    softcap = None if rules is None else rules.softcap
-    slopes = kernel_slopes(rules, batch, hq)
     compiled = kernel.backward(
-        q, k, v, out, grad_out, lse, options.scale, options.causal_offset, ranges, softcap, slopes
+        q, k, v, out, grad_out, lse, options.scale, options.causal_offset, *arguments
     )
     if compiled is None:
         return None
     dq, dk, dv, dslopes = compiled
     if dslopes is not None:
-        dslopes = dslopes.view(*batch, hq)
+        dslopes = dslopes.view(*q.shape[:-2])  # (*B, Hq): kernel.backward takes one batch shape
     return dq, dk, dv, dslopes
 
 
