@@ -31,12 +31,17 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # (name, q shape, k shape, v shape, causal): more than one key block (512 keys) and lengths and
 # features that fill no whole vector, grouped heads, and the decoding path (fewer than 16 queries).
+# The kernel packs keys for its products per query block where each key is read by at most 3
+# query blocks on average ("full", "causal", "causal top-left"), else once per call ("grouped":
+# each key read by 3 query heads × 2 blocks, and the two last).
 CASES = [
     ("full", (1, 2, 130, 40), (1, 2, 700, 40), (1, 2, 700, 40), False),
     ("causal", (1, 2, 300, 64), (1, 2, 300, 64), (1, 2, 300, 40), True),
     ("causal top-left", (2, 1, 200, 24), (2, 1, 333, 24), (2, 1, 333, 24), "top-left"),
     ("grouped", (2, 6, 150, 64), (2, 2, 260, 64), (2, 2, 260, 48), False),
     ("decoding", (1, 4, 3, 64), (1, 2, 530, 64), (1, 2, 530, 64), True),
+    ("keys read 18 times", (1, 2, 1100, 40), (1, 1, 600, 40), (1, 1, 600, 40), False),
+    ("long causal", (1, 1, 1300, 32), (1, 1, 1300, 32), (1, 1, 1300, 24), True),
 ]
 
 # Runs in a fresh process built for QKV_FLASH_ISA: every case forward and backward through

@@ -3,9 +3,9 @@
 Each of ``sinks``, ``softcap``, ``alibi_slopes``, ``window`` and ``segments`` is added to the
 same causal call, (B, H, T, D) float32, and timed against the call without it (interleaved, so all
 see the same load): forward, and forward+backward. The path says where the forward ran: the compiled
-kernel, or the PyTorch loop (where the kernel is not available). The backward pass is always
-the loop. A window of T/32 keys and documents of 256 tokens skip most of the work: their ratio
-says how much.
+kernel, or the PyTorch loop (where the kernel is not available); the backward pass runs where
+flash's autograd Function sends it (the kernel's backward where the kernel takes the call). A
+window of T/32 keys and documents of 256 tokens skip most of the work: their ratio says how much.
 """
 
 from __future__ import annotations
