@@ -209,22 +209,35 @@ inline Vec tanh_vec(const Vec& y) {
 // One row of n scores in place, keys j = 0 … n − 1 at distance d0 − j from the query:
 // s_j ← cap · tanh(s_j · scale / cap) − slope · |d0 − j| (each part only where the call has it),
 // the scaled scores the recurrence then exponentiates in base 2 (c = log2 e).
-inline void modify_row(float* s, int64_t n, float scale, float cap, float slope, int64_t d0) {
-  const bool capped = cap != 0.f;
+template <bool Capped, bool Biased>
+inline void modify_row_as(float* s, int64_t n, float scale, float cap, float slope, int64_t d0) {
+  const Vec vscale(scale), vcap(cap), vinv(Capped ? 1.f / cap : 0.f), vslope(slope);
+  // d0 − j in each lane (exact: integers below 2^24), a vector's width less each step
+  Vec distance = Vec(static_cast<float>(d0)) - Vec::arange(0.f, 1.f);
+  const Vec step(static_cast<float>(kLanes));
   int64_t j = 0;
-  const Vec vscale(scale), vcap(cap), vinv(capped ? 1.f / cap : 0.f), vslope(slope);
-  const Vec lane = Vec::arange(0.f, 1.f);
-  for (; j + kLanes <= n; j += kLanes) {
-    Vec x = Vec::loadu(s + j) * vscale;
-    if (capped) x = vcap * tanh_vec(x * vinv);
-    if (slope != 0.f) x = x - vslope * (Vec(static_cast<float>(d0 - j)) - lane).abs();
+  for (; j + kLanes <= n; j += kLanes, distance = distance - step) {
+    Vec x = Vec::loadu(s + j);
+    if constexpr (Capped) x = vcap * tanh_vec(x * vscale * vinv);
+    if constexpr (Capped && Biased) x = x - vslope * distance.abs();
+    if constexpr (!Capped && Biased) x = at::vec::fmsub(x, vscale, vslope * distance.abs());
     x.store(s + j);
   }
   for (; j < n; ++j) {
     float x = s[j] * scale;
-    if (capped) x = cap * tanh_scalar(x / cap);
-    s[j] = x - slope * static_cast<float>(std::llabs(d0 - j));
+    if constexpr (Capped) x = cap * tanh_scalar(x * (1.f / cap));
+    if constexpr (Biased) x -= slope * static_cast<float>(std::llabs(d0 - j));
+    s[j] = x;
   }
+}
+
+inline void modify_row(float* s, int64_t n, float scale, float cap, float slope, int64_t d0) {
+  if (cap != 0.f) {
+    if (slope != 0.f) return modify_row_as<true, true>(s, n, scale, cap, slope, d0);
+    return modify_row_as<true, false>(s, n, scale, cap, slope, d0);
+  }
+  if (slope != 0.f) return modify_row_as<false, true>(s, n, scale, cap, slope, d0);
+  for (int64_t j = 0; j < n; ++j) s[j] *= scale;  // (no rule: only the scale)
 }
 
 // The running extreme of one row's scores: the largest (Up) or the smallest. NaN is skipped.
@@ -762,7 +775,14 @@ std::vector<at::Tensor> forward_impl(
       std::fill(l.begin(), l.end(), 0.f);
       const auto [keys_begin, keys_end] = spans[head * query_blocks + q0 / kQueryBlock];
       const int64_t align = keys.alignment();
-      for (int64_t k0 = keys_begin / align * align; k0 < keys_end; k0 += kKeyBlock) {
+      // Key blocks in order; with ALiBi from the last: its bias makes the keys nearest a row
+      // score highest, and a row whose maximum comes first is exponentiated once per block.
+      const int64_t keys_start = keys_begin / align * align;
+      const int64_t key_steps =
+          (std::max(keys_end, keys_start) - keys_start + kKeyBlock - 1) / kKeyBlock;
+      for (int64_t step = 0; step < key_steps; ++step) {
+        const int64_t k0 =
+            keys_start + (rules.slopes != nullptr ? key_steps - 1 - step : step) * kKeyBlock;
         const int64_t kn = std::min(kKeyBlock, keys_end - k0);
         const BlockOperands<T> block =
             keys.block(kv, k0, kn, key_buffer.data(), value_buffer.data());
