@@ -180,6 +180,13 @@ def test_memory_check_runs_in_a_fresh_process() -> None:
     assert check["length"] == 512 and check["backend"] == "flash"
     assert check["peak_process_mib"] >= check["baseline_process_mib"] > 0
     assert math.isclose(check["naive_scores_mib"], 2 * 512 * 512 * 4 / 2**20)
+    packed = memory.memory_check(
+        512, cases.Shape(batch=1, heads=2, dim=8), 1, "64 packed documents"
+    )
+    assert packed["variant"] == "64 packed documents" and packed["peak_process_mib"] > 0
+    assert "causal, 64 packed documents" in memory.format_memory_check(packed)
+    with pytest.raises(ValueError, match="variant must be one of"):
+        memory.memory_check(512, cases.Shape(batch=1, heads=2, dim=8), 1, "dense")
 
 
 def test_an_isa_run_holds_torch_to_the_same_instructions(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,7 +2,8 @@
 
 flash's work space is linear in T: its tiles of scores never exceed a block of queries by a
 block of keys. The worker process shows that for the whole process, where a T×T score matrix
-would not fit.
+would not fit: for the plain causal call, and for a window of T/8 keys and 64 packed documents
+(``window`` and ``segments`` are computed per tile, never as a (T, T) mask).
 """
 
 from __future__ import annotations
@@ -23,6 +24,13 @@ import qkv
 from qkv.bench.cases import Shape
 
 MIB = 2**20
+
+# The calls memory_check measures: (T) -> the keyword arguments added to a causal call.
+VARIANTS: dict[str, Callable[[int], dict[str, Any]]] = {
+    "causal": lambda t: {},
+    "window=T/8": lambda t: {"window": max(1, t // 8)},
+    "64 packed documents": lambda t: {"segments": torch.arange(t) * 64 // t},
+}
 
 
 def added_memory_mib(make_step: Callable[[], Callable[[], None]]) -> float:
@@ -61,10 +69,16 @@ def status_kib(field_name: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field_name}")
 
 
-def memory_check(length: int, shape: Shape, threads: int | None) -> dict[str, Any]:
+def memory_check(
+    length: int, shape: Shape, threads: int | None, variant: str = "causal"
+) -> dict[str, Any]:
     """Peak memory of a fresh process that runs one causal float32 forward+backward with
-    backend="flash" at length T (the whole process: Python, torch, inputs, gradients)."""
-    spec = {"length": length, "batch": shape.batch, "heads": shape.heads, "dim": shape.dim}
+    backend="flash" at length T (the whole process: Python, torch, inputs, gradients), with the
+    arguments of ``VARIANTS[variant]``."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+    spec: dict[str, Any] = {"length": length, "batch": shape.batch, "heads": shape.heads}
+    spec.update(dim=shape.dim, variant=variant)
     command = [sys.executable, "-m", "qkv", "bench", "--worker", json.dumps(spec)]
     if threads is not None:
         command += ["--threads", str(threads)]
@@ -78,12 +92,15 @@ def peak_memory_worker(spec: dict[str, Any]) -> dict[str, Any]:
     import resource  # Unix only
 
     b, h, t, d = spec["batch"], spec["heads"], spec["length"], spec["dim"]
+    variant = spec.get("variant", "causal")
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     q, k, v, grad = (torch.randn(b, h, t, d) for _ in range(4))
     for x in (q, k, v):
         x.requires_grad_()
+    extra = VARIANTS[variant](t)
     start = time.perf_counter()
-    torch.autograd.backward(qkv.attention(q, k, v, causal=True, backend="flash"), grad)
+    out = qkv.attention(q, k, v, causal=True, backend="flash", **extra)
+    torch.autograd.backward(out, grad)
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     tensors = 8 * q.numel() * q.element_size() / MIB  # q, k, v, grad, out, dq, dk, dv
@@ -93,6 +110,7 @@ def peak_memory_worker(spec: dict[str, Any]) -> dict[str, Any]:
         "dtype": "float32",
         "pass": "forward+backward",
         "causal": True,
+        "variant": variant,
         "backend": "flash",
         "peak_process_mib": peak,
         "baseline_process_mib": baseline,
@@ -103,8 +121,10 @@ def peak_memory_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def format_memory_check(check: dict[str, Any]) -> str:
+    variant = check.get("variant", "causal")
+    called = "causal" if variant == "causal" else f"causal, {variant}"
     return (
-        f"memory check: flash causal float32 forward+backward, {check['shape']}: peak "
+        f"memory check: flash {called} float32 forward+backward, {check['shape']}: peak "
         f"{check['peak_process_mib']:.0f} MiB for the whole process (Python and torch alone: "
         f"{check['baseline_process_mib']:.0f} MiB; the (B, H, T, T) float32 scores alone would "
         f"take {check['naive_scores_mib']:.0f} MiB); {check['seconds']:.1f} s"

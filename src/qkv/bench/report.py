@@ -99,7 +99,7 @@ def format_table(results: Sequence[Result], report: dict[str, Any]) -> str:
 
 def write_json(path: str, report: dict[str, Any]) -> None:
     """Write ``report`` into the JSON file at ``path``, keeping the other benchmarks' entries
-    (``decode``, ``auto``, ``memory_check``) of a file already there."""
+    (``decode``, ``auto``, ``memory_check``, ``arguments``) of a file already there."""
     previous = json.loads(Path(path).read_text()) if os.path.exists(path) else {}
     with open(path, "w") as out:
         json.dump({**previous, **report}, out, indent=1)
