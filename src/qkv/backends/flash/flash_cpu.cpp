@@ -398,7 +398,7 @@ inline float rule_gradients_of(const ScoreRules& rules, float* p, float* ds, int
 //   float32, own tiles: kᵀ in column panels of kPanel columns, zero-padded (⌈n / kPanel⌉, D,
 //             kPanel) (pack_transposed); v as given (its rows are the panels' rows, kDepth of
 //             them at a time).
-//   float32, otherwise: kᵀ (D, n), its rows ld apart (transpose_keys); v as given.
+//   float32, otherwise: kᵀ (D, n), its rows ld apart (transpose_rows); v as given.
 //   bfloat16: kᵀ (D, Bk) and v (Bk, Dv) in pairs-of-rows order (pack_pairs): element (r, c) of
 //             a (R, C) matrix at [(r / 2) · C + c] · 2 + r % 2, zero-padded to what the
 //             products read: kᵀ to a whole 32-key group, v to an even number of rows (the rest
@@ -422,15 +422,16 @@ void pack_transposed(const float* x, int64_t S, int64_t D, float* to) {
     }
 }
 
-// n keys x (n, D) as xᵀ (D, n), rows ld apart: in tiles of 64 keys that stay in L1
+// n rows of x (n, D) as xᵀ (D, n), rows ld apart: ATen's transpose (16 × 16 tiles in vector
+// registers with AVX-512, element by element elsewhere) on 64 rows at a time, which stay in L1
 // (at::Tensor::contiguous() of the transposed view ran at 2 ns an element: a fifth of a
-// packed call at T = 16384).
-void transpose_keys(const float* x, int64_t n, int64_t D, float* to, int64_t ld) {
+// packed call at T = 16384). x holds float32, or 32-bit words (pairs of bfloat16) as float32
+// bits, which the transpose only moves.
+void transpose_rows(const float* x, int64_t n, int64_t D, float* to, int64_t ld) {
   constexpr int64_t kTile = 64;
   for (int64_t j0 = 0; j0 < n; j0 += kTile) {
-    const int64_t j1 = std::min(n, j0 + kTile);
-    for (int64_t d = 0; d < D; ++d)
-      for (int64_t j = j0; j < j1; ++j) to[d * ld + j] = x[j * D + d];
+    const int rows = static_cast<int>(std::min(kTile, n - j0));
+    at::vec::transpose_mxn<float>(x + j0 * D, D, to + j0, ld, rows, static_cast<int>(D));
   }
 }
 
@@ -441,12 +442,11 @@ void pack_pairs(const T* kh, const T* vh, int64_t n, int64_t D, int64_t Dv, T* k
   const int64_t De = (D + 1) / 2 * 2;
   if (D % 2 == 0) {
     // A pair (k[j][2i], k[j][2i+1]) is one 32-bit word, which goes to row i, column j:
-    // a transpose of 32-bit words, key by key (each key's words read once, in order).
-    const auto* from = reinterpret_cast<const uint32_t*>(kh);
-    auto* to = reinterpret_cast<uint32_t*>(kb);
+    // a transpose of 32-bit words.
     const int64_t pairs = D / 2;
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t i = 0; i < pairs; ++i) to[i * kKeyBlock + j] = from[j * pairs + i];
+    transpose_rows(reinterpret_cast<const float*>(kh), n, pairs, reinterpret_cast<float*>(kb),
+                   kKeyBlock);
+    auto* to = reinterpret_cast<uint32_t*>(kb);
     const int64_t n32 = std::min(kKeyBlock, (n + 31) / 32 * 32);
     for (int64_t i = 0; i < pairs; ++i)
       std::fill(to + i * kKeyBlock + n, to + i * kKeyBlock + n32, 0u);
@@ -502,7 +502,7 @@ struct Arranged {
         return {key_buffer, kKeyBlock, value_buffer};
       } else {
         if (panels) pack_transposed(kh, n, D, key_buffer);
-        else transpose_keys(kh, n, D, key_buffer, kKeyBlock);
+        else transpose_rows(kh, n, D, key_buffer, kKeyBlock);
         return {key_buffer, panels ? kPanel : kKeyBlock, vh};
       }
     }
@@ -549,7 +549,7 @@ Arranged<T> arrange(const at::Tensor& k, const at::Tensor& v, bool panels, bool 
       } else if (panels) {
         pack_transposed(kh, n, D, kp + z * D * kKeyBlock);
       } else {
-        transpose_keys(kh, n, D, kp + h * D * S + n0, S);
+        transpose_rows(kh, n, D, kp + h * D * S + n0, S);
       }
     }
   });
