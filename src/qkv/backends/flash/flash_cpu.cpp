@@ -39,7 +39,7 @@
 // micro-kernels), which kernel.py picks for builds with 512-bit vectors, or torch's BLAS (see
 // Products). bfloat16 products go through cpublas::brgemm on the CPU's bfloat16 matrix units
 // (AMX) or its AVX-512 bfloat16 dot products, with float32 sums, and need each key block in
-// pairs-of-rows ("VNNI") order, built once per call. Where the CPU has neither, bfloat16 inputs
+// pairs-of-rows ("VNNI") order (Arranged). Where the CPU has neither, bfloat16 inputs
 // are widened to float32 by the caller and take the float32 path (kernel.py's
 // bfloat16_products()). Scores, softmax and accumulation are float32 in every case; the weights
 // that are rounded to bfloat16 for the product come from a cheaper 2^x (within 7.5e-5 relative).
