@@ -273,13 +273,10 @@ def forward(
     kernel = load()  # built and cached by takes
     assert kernel is not None
     causal = causal_offset is not None
-    bounds, heads_per_range = (torch.empty(0, dtype=torch.long), 1) if ranges is None else ranges
-    rules = (softcap or 0.0, torch.empty(0) if slopes is None else slopes)
+    rules = _rule_arguments(ranges, softcap, slopes)
     if q.shape[-2] < DECODE_QUERIES:  # one row at a time, K/V read where they lie
         if q.dtype != torch.float16 and q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
-            out, lse = kernel.decode(
-                q, k, v, scale, causal, causal_offset or 0, bounds, heads_per_range, *rules
-            )
+            out, lse = kernel.decode(q, k, v, scale, causal, causal_offset or 0, *rules)
             return out, lse  # the common case: (*B, Hq, Lq, Dv), (*B, Hq, Lq) as they come
         dtype = torch.float32 if q.dtype == torch.float16 else q.dtype
         q_flat, k_flat, v_flat, batch = flat_heads(q, k, v, dtype)  # batch dims broadcast
@@ -290,8 +287,6 @@ def forward(
             scale,
             causal,
             causal_offset or 0,
-            bounds,
-            heads_per_range,
             *rules,
         )
     else:
@@ -306,8 +301,6 @@ def forward(
             causal,
             causal_offset or 0,
             PRODUCTS.index(cached_products()),
-            bounds,
-            heads_per_range,
             *rules,
         )
     hq = q.shape[-3]
@@ -340,7 +333,6 @@ def backward(
     f32 = torch.float32
     q_flat, k_flat, v_flat, _ = flat_heads(q, k, v, f32)
     rows = q_flat.flatten(0, 1).shape  # (N·g, Lq, Dk)
-    bounds, heads_per_range = (torch.empty(0, dtype=torch.long), 1) if ranges is None else ranges
     dq, dk, dv, dslopes = kernel.backward(
         q_flat.reshape(rows).contiguous(),
         k_flat.contiguous(),
@@ -351,13 +343,19 @@ def backward(
         scale,
         causal_offset is not None,
         causal_offset or 0,
-        bounds,
-        heads_per_range,
-        softcap or 0.0,
-        torch.empty(0) if slopes is None else slopes,
+        *_rule_arguments(ranges, softcap, slopes),
     )
     grads = dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
     return (*grads, None if slopes is None else dslopes)
+
+
+def _rule_arguments(
+    ranges: tuple[torch.Tensor, int] | None, softcap: float | None, slopes: torch.Tensor | None
+) -> tuple[torch.Tensor, int, float, torch.Tensor]:
+    """The score rules as the compiled functions take them, an absent rule as an empty tensor
+    or 0: (key ranges, heads per range, soft-cap, ALiBi slopes)."""
+    bounds, heads_per_range = (torch.empty(0, dtype=torch.long), 1) if ranges is None else ranges
+    return bounds, heads_per_range, softcap or 0.0, torch.empty(0) if slopes is None else slopes
 
 
 def decode_step_takes(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> bool:
