@@ -21,6 +21,8 @@ transformers = pytest.importorskip(
     "transformers", reason='transformers is not installed: pip install "qkv[hf]"'
 )
 
+from test_huggingface_families import assert_generates_like  # noqa: E402  (after the skip)
+
 ATOL = 1e-5
 VOCAB = 96
 NAME = huggingface.register()
@@ -139,11 +141,7 @@ def test_greedy_generation_with_cache_matches_eager(name: str) -> None:
         output_logits=True,
         output_attentions=True,
     )
-    expected = eager.generate(input_ids, **kwargs)
-    got = ours.generate(input_ids, **kwargs)
-    assert torch.equal(got.sequences, expected.sequences)
-    for step_got, step_expected in zip(got.logits, expected.logits, strict=True):
-        torch.testing.assert_close(step_got, step_expected, atol=ATOL, rtol=ATOL)
+    got, expected = assert_generates_like(eager, ours, input_ids, **kwargs)
     # Attention weights of every decoding step: one new query over the growing cache.
     mask = attention_mask
     for step, (step_got, step_expected) in enumerate(zip(got.attentions, expected.attentions)):

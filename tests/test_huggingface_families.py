@@ -282,11 +282,7 @@ def test_family_generates_like_eager(name: str) -> None:
         return_dict_in_generate=True,
         output_logits=True,
     )
-    expected = eager.generate(input_ids, **kwargs)
-    got = ours.generate(input_ids, **kwargs)
-    assert torch.equal(got.sequences, expected.sequences)
-    for step_got, step_expected in zip(got.logits, expected.logits, strict=True):
-        torch.testing.assert_close(step_got, step_expected, atol=ATOL, rtol=ATOL)
+    assert_generates_like(eager, ours, input_ids, **kwargs)
 
 
 @pytest.mark.parametrize("name", list(families()))
@@ -327,11 +323,18 @@ def test_generation_with_either_cache_matches_eager(name: str, cache: str, padde
         return_dict_in_generate=True,
         output_logits=True,
     )
+    assert_generates_like(eager, ours, input_ids, **kwargs)
+
+
+def assert_generates_like(eager: Any, ours: Any, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+    """Greedy ``generate`` on both models (kwargs ask for logits): the same tokens, and each
+    step's logits within ATOL. Returns both outputs (ours, eager's) for further checks."""
     expected = eager.generate(input_ids, **kwargs)
     got = ours.generate(input_ids, **kwargs)
     assert torch.equal(got.sequences, expected.sequences)
     for step_got, step_expected in zip(got.logits, expected.logits, strict=True):
         torch.testing.assert_close(step_got, step_expected, atol=ATOL, rtol=ATOL)
+    return got, expected
 
 
 def spy(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:

@@ -172,28 +172,6 @@ def test_the_compiled_backward_matches_float64(
     assert_matches_float64(q, k, v, grad_out, rule, (out, *grads))
 
 
-def test_the_compiled_backward_is_deterministic() -> None:
-    """Two threads and one key/value head: the query blocks split between the threads, whose
-    dK and dV parts are added in a fixed order. The same call twice gives the same bits."""
-    if kernel.load() is None:
-        pytest.skip("the compiled kernel is switched off or cannot be built here")
-    q, k, v = (torch.randn(1, 4, 700, 32) for _ in range(3))
-    k, v = k[:, :1], v[:, :1]  # one key/value head serving four query heads
-    forward = kernel.forward(q, k, v, 0.2, 0)
-    assert forward is not None, "the kernel does not take this call"
-    out, lse = forward
-    grad_out = torch.randn(out.shape)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        first, second = (kernel.backward(q, k, v, out, grad_out, lse, 0.2, 0) for _ in range(2))
-    finally:
-        torch.set_num_threads(threads)
-    assert first is not None and second is not None and first[3] is None  # no slopes
-    for one, two in zip(first[:3], second[:3], strict=True):
-        assert torch.equal(one, two)
-
-
 def _cross_compiler() -> str | None:
     return shutil.which("aarch64-linux-gnu-g++")
 
@@ -303,15 +281,20 @@ def test_the_compiled_backward_takes_every_score_rule(
         )
 
 
-def test_the_compiled_backward_with_rules_is_deterministic() -> None:
-    """A window, soft-capping and ALiBi, two threads splitting one key/value head's query
-    blocks: the same call twice gives the same bits, the slopes' gradient included."""
+@pytest.mark.parametrize("with_rules", [False, True], ids=["plain", "rules"])
+def test_the_compiled_backward_is_deterministic(with_rules: bool) -> None:
+    """Two threads and one key/value head serving four query heads: the query blocks split
+    between the threads, whose dK and dV parts are added in a fixed order. The same call twice
+    gives the same bits, plain and with a window, soft-capping and ALiBi (the slopes' gradient
+    included)."""
     if kernel.load() is None:
         pytest.skip("the compiled kernel is switched off or cannot be built here")
     q, k, v = (torch.randn(1, 4, 700, 32) for _ in range(3))
     k, v = k[:, :1], v[:, :1]
-    ranges = kernel_ranges(Rules(window_offset=-200), 0, (1,), 4, 700, 700)
-    rules = (ranges, 5.0, torch.rand(4))
+    rules: tuple[Any, ...] = ()
+    if with_rules:
+        ranges = kernel_ranges(Rules(window_offset=-200), 0, (1,), 4, 700, 700)
+        rules = (ranges, 5.0, torch.rand(4))
     forward = kernel.forward(q, k, v, 0.2, 0, *rules)
     assert forward is not None, "the kernel does not take this call"
     out, lse = forward
@@ -323,6 +306,9 @@ def test_the_compiled_backward_with_rules_is_deterministic() -> None:
     finally:
         torch.set_num_threads(threads)
     first, second = runs
-    assert first is not None and second is not None and first[3] is not None
-    for one, two in zip(first, second, strict=True):
+    assert first is not None and second is not None
+    assert (first[3] is not None) == with_rules  # the slopes' gradient, with slopes only
+    for one, two in zip(first[:3], second[:3], strict=True):
         assert torch.equal(one, two)
+    if with_rules:
+        assert torch.equal(first[3], second[3])
