@@ -572,6 +572,21 @@ struct KeyBounds {
     }
     return {0, causal ? std::clamp<int64_t>(i + offset + 1, 0, S) : S};
   }
+
+  // The keys rows first … last of one head may see together, [begin, end): from their first
+  // key to their last (causally up to the last row's diagonal); begin ≥ end: none.
+  std::pair<int64_t, int64_t> span(int64_t head, int64_t first, int64_t last) const {
+    if (ranges == nullptr) {  // every row from key 0, the last row the furthest
+      const int64_t hi = row(head, last).second;
+      return hi > 0 ? std::pair<int64_t, int64_t>{0, hi} : std::pair<int64_t, int64_t>{S, 0};
+    }
+    int64_t begin = S, end = 0;
+    for (int64_t r = first; r <= last; ++r) {
+      const auto [lo, hi] = row(head, r);
+      if (lo < hi) begin = std::min(begin, lo), end = std::max(end, hi);
+    }
+    return {begin, end};
+  }
 };
 
 KeyBounds key_bounds(bool causal, int64_t offset, int64_t S, int64_t Lq, const at::Tensor& ranges,
@@ -734,23 +749,15 @@ std::vector<at::Tensor> forward_impl(
   float* od = out.data_ptr<float>();
   float* ld = lse.data_ptr<float>();
 
-  // The keys each block may see: from its rows' first to their last (causally up to its last
-  // row's diagonal); key blocks outside are skipped. (begin ≥ end: none.)
+  // The keys each block may see (KeyBounds::span); key blocks outside are skipped.
   const int64_t blocks = NG * query_blocks;
-  std::vector<std::pair<int64_t, int64_t>> spans(blocks, {S, 0});
+  std::vector<std::pair<int64_t, int64_t>> spans(blocks);
   int64_t reads = 0;  // keys read, over all blocks
   for (int64_t head = 0; head < NG; ++head)
     for (int64_t i = 0; i < query_blocks; ++i) {
-      auto& [begin, end] = spans[head * query_blocks + i];
       const int64_t last = std::min(Lq, (i + 1) * kQueryBlock) - 1;
-      if (bounds.ranges == nullptr) {  // every row from key 0, the last row the furthest
-        if (const int64_t hi = bounds.row(head, last).second; hi > 0) begin = 0, end = hi;
-      } else {
-        for (int64_t r = i * kQueryBlock; r <= last; ++r) {
-          const auto [lo, hi] = bounds.row(head, r);
-          if (lo < hi) begin = std::min(begin, lo), end = std::max(end, hi);
-        }
-      }
+      const auto [begin, end] = spans[head * query_blocks + i] =
+          bounds.span(head, i * kQueryBlock, last);
       reads += std::max<int64_t>(0, end - begin);
     }
   // Keys read by at most kPackPerBlock query blocks each, on average, are packed as they are read.
@@ -1135,11 +1142,7 @@ std::vector<at::Tensor> backward(
           const float* q_block = qd + (head * Lq + q0) * D;
           const float* dout_block = od + (head * Lq + q0) * Dv;
           // Keys this block's rows may see (key blocks outside are skipped), from a whole panel.
-          int64_t keys_begin = S, keys_end = 0;
-          for (int64_t r = 0; r < rows; ++r) {
-            const auto [lo, hi] = bounds.row(head, q0 + r);
-            if (lo < hi) keys_begin = std::min(keys_begin, lo), keys_end = std::max(keys_end, hi);
-          }
+          const auto [keys_begin, keys_end] = bounds.span(head, q0, q0 + rows - 1);
           std::fill(dq_block.begin(), dq_block.end(), 0.f);
           for (int64_t k0 = keys_begin / kPanel * kPanel; k0 < keys_end; k0 += kKeyBlock) {
             const int64_t kn = std::min(kKeyBlock, keys_end - k0);
