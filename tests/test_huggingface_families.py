@@ -375,29 +375,29 @@ def test_softcap_sinks_and_windows_reach_qkv_as_arguments(
             assert all(x == value for x in passed)
 
 
-def test_packed_sequences_pass_as_segments_and_match_each_sequence_alone(
+def test_packed_sequences_follow_the_mask_not_flash_attentions_arguments(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    _, ours = model_pair("llama")
+    """FlashAttention's ``cu_seq_lens`` do not change what eager computes: the mask does.
+    Without a cache, transformers reads the restarting positions as documents (each equals
+    its run alone, passed as segments); with one it reads one sequence, as eager does."""
+    eager, ours = model_pair("llama")
     lengths = [4, 3, 5]
     generator = torch.Generator().manual_seed(3)
     sequences = [torch.randint(3, VOCAB, (1, n), generator=generator) for n in lengths]
     cu_seqlens = torch.tensor([0, 4, 7, 12], dtype=torch.int32)
     position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    flash = dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=5, max_length_k=5)
+    run = dict(input_ids=torch.cat(sequences, dim=1), position_ids=position_ids, **flash)
     calls = spy(monkeypatch)
     with torch.no_grad():
-        packed = ours(
-            input_ids=torch.cat(sequences, dim=1),
-            position_ids=position_ids,
-            cu_seq_lens_q=cu_seqlens,
-            cu_seq_lens_k=cu_seqlens,
-            max_length_q=5,
-            max_length_k=5,
-        ).logits
+        packed = ours(**run, use_cache=False).logits
         alone = torch.cat([ours(input_ids=s).logits for s in sequences], dim=1)
+        one_sequence, expected = ours(**run).logits, eager(**run).logits
     torch.testing.assert_close(packed, alone, atol=ATOL, rtol=ATOL)
-    segments = calls[0]["segments"]
-    assert segments[0].tolist() == [[0] * 4 + [1] * 3 + [2] * 5]
+    assert calls[0]["segments"].tolist() == [[0] * 4 + [1] * 3 + [2] * 5]
+    torch.testing.assert_close(one_sequence, expected, atol=ATOL, rtol=ATOL)
+    assert not torch.allclose(one_sequence, alone, atol=1e-3)
 
 
 BYPASSING = ["bloom", "mpt", "codegen", "falcon", "gptj", "gpt_neo"]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.integrations import huggingface, packing
+from qkv.integrations import huggingface
 
 transformers = pytest.importorskip(
     "transformers", reason='transformers is not installed: pip install "qkv[hf]"'
@@ -157,31 +157,15 @@ class _Layer(torch.nn.Module):
     is_causal = True
 
 
-def test_a_layer_the_mask_never_saw_reads_its_position_ids() -> None:
+def test_a_call_given_no_mask_is_the_layers_causal_rule_whatever_its_positions() -> None:
+    """No mask from transformers' mask function (a model that passes none): the layer's causal
+    rule, as transformers' sdpa path applies it; restarting position ids are not read as
+    documents there (eager would not read them either)."""
     generator = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 2, 15, 4, generator=generator) for _ in range(3))
     _, position_ids = packed_batch()
     out, _ = huggingface.attention_forward(_Layer(), q, k, v, None, position_ids=position_ids)
-    expected = qkv.attention(q, k, v, causal=True, segments=documents())
-    torch.testing.assert_close(out, expected.transpose(1, 2))
-    plain, _ = huggingface.attention_forward(
-        _Layer(), q, k, v, None, position_ids=torch.arange(15)[None]
-    )
-    torch.testing.assert_close(plain, qkv.attention(q, k, v, causal=True).transpose(1, 2))
-
-
-def test_documents_from_position_ids_follow_transformers() -> None:
-    from transformers.masking_utils import find_packed_sequence_indices
-
-    for position_ids in (
-        torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]]),
-        torch.tensor([[5, 6, 0, 1, 2, 3, 0, 0, 1], [0, 1, 2, 3, 4, 5, 6, 7, 8]]),
-    ):
-        expected = find_packed_sequence_indices(position_ids)
-        assert torch.equal(packing.from_position_ids(position_ids, 2, 9), expected)
-    assert packing.from_position_ids(torch.arange(9)[None], 1, 9) is None
-    assert packing.from_position_ids(torch.arange(9)[None], 1, 8) is None  # another length
-    assert packing.from_position_ids(None, 1, 9) is None
+    torch.testing.assert_close(out, qkv.attention(q, k, v, causal=True).transpose(1, 2))
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma2", "mistral"])

@@ -84,8 +84,9 @@ class _Layer(torch.nn.Module):
 
 
 @pytest.mark.parametrize("is_causal", [True, False])
-def test_key_padding_alone_keeps_the_layers_causal_rule(is_causal: bool) -> None:
-    """3 queries, the last of 5 keys; key 3 is padding in the second row."""
+def test_a_mask_qkv_did_not_describe_means_what_it_means_to_eager(is_causal: bool) -> None:
+    """A (B, 1, 1, Lk) mask a model built itself (not qkv's mask function's rule) is key
+    padding alone, as eager adds it: the layer's causal rule and window are not added to it."""
     generator = torch.Generator().manual_seed(6)
     q = torch.randn(2, 2, 3, 4, generator=generator)
     k, v = (torch.randn(2, 2, 5, 4, generator=generator) for _ in range(2))
@@ -93,11 +94,7 @@ def test_key_padding_alone_keeps_the_layers_causal_rule(is_causal: bool) -> None
     keys[1, 3] = False
     padding = keys[:, None, None, :]  # (B, 1, 1, Lk)
     out, _ = huggingface.attention_forward(_Layer(is_causal), q, k, v, padding, sliding_window=2)
-    keep = padding & (qkv.causal_mask(3, 5) if is_causal else True)
-    if is_causal:  # (a causal layer's window: the 2 most recent keys)
-        keep = keep & qkv.sliding_window_mask(3, 5, window=2)
-    expected = qkv.attention(q, k, v, mask=keep).transpose(1, 2)
-    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(out, qkv.attention(q, k, v, mask=padding).transpose(1, 2))
 
 
 def test_a_static_caches_prefill_keeps_its_mask(monkeypatch: pytest.MonkeyPatch) -> None:

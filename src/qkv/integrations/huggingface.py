@@ -12,14 +12,19 @@
   caller asks for them (``output_attentions=True``); otherwise qkv picks its fastest backend.
 - a mask function (``transformers.masking_utils.AttentionMaskInterface``): without one,
   transformers builds no mask at all for an unknown implementation, and padding would be dropped
-  silently. It builds the boolean mask (B, 1, Lq, Lk), True = may attend — qkv's own convention,
-  so no conversion is needed — and never leaves a causal or padding mask out. Where the layer's
-  causal rule, window or packed documents (``qkv.integrations.packing``) say all of it, it
-  builds none; where padding is all they leave, only the (B, 1, 1, Lk) key padding.
+  silently.
 
-When a model passes no mask, its own causal rule applies (the ``is_causal`` argument, else the
-layer's ``is_causal`` attribute), aligned bottom-right: with a KV cache, the Lq new queries are
-the last Lq of the Lk keys.
+The mask transformers would build is the truth. Where a request to the mask function is a rule
+qkv's arguments mean exactly (causal, a sliding window, bidirectional, key padding, sequences
+packed by position ids: ``qkv.integrations.mask_rules``, read from the mask function transformers
+hands over, per request), no (Lq, Lk) mask is built and the rule runs as arguments; anything else
+is built as transformers builds it for torch's kernel (bool, True = may attend: qkv's own
+convention). Nothing is taken from a layer's attributes: a model that passes no mask gets its
+layer's causal rule, as in transformers' sdpa path.
+
+Models whose attention code bypasses transformers' interface run that code on "eager" (the
+parts of a composite model that use the interface stay on qkv, with one warning naming the
+rest), or are refused by name where no part uses it.
 
 transformers is optional (``pip install "qkv[hf]"``) and imported only by these functions.
 Legend: B batch, H heads (Hq query, Hkv key/value), L/Lq query length, S/Lk key length, D features.
@@ -28,6 +33,7 @@ Legend: B batch, H heads (Hq query, Hkv key/value), L/Lq query length, S/Lk key 
 from __future__ import annotations
 
 import importlib
+import warnings
 from types import ModuleType
 from typing import Any
 
@@ -35,10 +41,11 @@ import torch
 
 from qkv import masks
 from qkv.functional import attention
-from qkv.integrations import packing
+from qkv.integrations import mask_rules
 
 INSTALL_HINT = 'pip install "qkv[hf]"'
 _REGISTERED: set[str] = set()
+_SPLIT_WARNED: set[tuple[str, tuple[str, ...]]] = set()
 
 
 def require_transformers() -> ModuleType:
@@ -88,14 +95,15 @@ def register(name: str = "qkv") -> str:
 
 
 def _refuse_models_outside_the_interface(model_class: type) -> None:
-    """Make asking for qkv on a model whose attention layers bypass transformers' attention
-    interface (bloom, falcon, gpt_neo, mpt, ... compute attention in their own code) an error
-    naming the model and the alternative. Without it such a model either fails with a bare
-    ``KeyError`` or runs its own attention on qkv's bool mask read as numbers, silently wrong.
+    """Decide, model by model, what runs on qkv when a model's own attention code bypasses
+    transformers' attention interface (transformers' own test: ``_can_set_attn_implementation``).
 
-    transformers chooses every model's implementation in ``get_correct_attn_implementation``;
-    this wraps it once. A model bypasses the interface when transformers' own test
-    (``_can_set_attn_implementation``: its attention class never calls the interface) says so.
+    Such code would never call qkv, or read qkv's masks as numbers, so it runs on "eager". A
+    composite model (a vision or audio encoder beside a language model) keeps qkv for each part
+    whose own model class uses the interface and runs the rest on "eager", with one warning
+    naming them (``_split``); a model with no such part is refused with an error naming it and
+    the alternative. transformers chooses every model's implementation in
+    ``get_correct_attn_implementation``; this wraps it once.
     """
     original = model_class.get_correct_attn_implementation  # type: ignore[attr-defined]
     if getattr(original, "refuses_models_outside_the_interface", False):
@@ -104,16 +112,8 @@ def _refuse_models_outside_the_interface(model_class: type) -> None:
     def get_correct_attn_implementation(
         self: Any, requested_attention: str | None, is_init_check: bool = False
     ) -> str:
-        can_set = getattr(type(self), "_can_set_attn_implementation", None)
-        if requested_attention in _REGISTERED and can_set is not None and not can_set():
-            model_type = getattr(getattr(self, "config", None), "model_type", "?")
-            raise ValueError(
-                f'{type(self).__name__} (model type "{model_type}") computes attention in its '
-                f"own code, outside transformers' attention interface, so "
-                f'attn_implementation="{requested_attention}" cannot run it on qkv (it would '
-                f'never call qkv, or misread its mask); load it with attn_implementation="eager" '
-                f'or "sdpa" instead'
-            )
+        if requested_attention in _REGISTERED and not _uses_the_interface(type(self)):
+            return _split(self, requested_attention)
         result: str = original(self, requested_attention, is_init_check)
         return result
 
@@ -121,90 +121,76 @@ def _refuse_models_outside_the_interface(model_class: type) -> None:
     model_class.get_correct_attn_implementation = get_correct_attn_implementation  # type: ignore[attr-defined]
 
 
+def _uses_the_interface(model_class: Any) -> bool:
+    can_set = getattr(model_class, "_can_set_attn_implementation", None)
+    return can_set is None or bool(can_set())
+
+
+def _split(model: Any, name: str) -> str:
+    """ "eager" for ``model``'s own code, keeping ``name`` (qkv) on each sub-model whose model
+    class uses the attention interface; a ValueError naming the model where none does."""
+    config = model.config
+    keys = getattr(config, "sub_configs", {})
+    parts = {key: getattr(config, key) for key in keys if getattr(config, key, None) is not None}
+    on_qkv = [key for key, part in parts.items() if _part_uses_the_interface(part)]
+    model_type = getattr(config, "model_type", "?")
+    if not on_qkv:
+        raise ValueError(
+            f'{type(model).__name__} (model type "{model_type}") computes attention in its '
+            f"own code, outside transformers' attention interface, so "
+            f'attn_implementation="{name}" cannot run it on qkv (it would never call qkv, or '
+            f'misread its mask); load it with attn_implementation="eager" or "sdpa" instead'
+        )
+    on_eager = [key for key in parts if key not in on_qkv]
+    for key in on_eager:
+        parts[key]._attn_implementation = "eager"  # (transformers sets it on its parts too)
+    key = (type(model).__name__, tuple(on_eager))
+    if key not in _SPLIT_WARNED:
+        _SPLIT_WARNED.add(key)
+        own = ", ".join(["its own layers", *on_eager])
+        warnings.warn(
+            f'{type(model).__name__} (model type "{model_type}"): {own} compute attention '
+            f'outside transformers\' attention interface and run on "eager"; '
+            f'{", ".join(on_qkv)} run on "{name}"',
+            UserWarning,
+            stacklevel=2,
+        )
+    return "eager"
+
+
+def _part_uses_the_interface(config: Any) -> bool:
+    """Whether the model class transformers builds for a sub-config (its auto mapping) uses
+    the attention interface; False for a part only its parent's code knows."""
+    from transformers.models.auto import modeling_auto
+
+    for mapping in (modeling_auto.MODEL_MAPPING, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING):
+        try:
+            model_class = mapping[type(config)]
+        except (KeyError, ValueError):
+            continue
+        return _uses_the_interface(model_class)
+    return False
+
+
 def mask_forward(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """transformers' mask function for qkv: a bool (B, 1, Lq, Lk) mask, True = may attend; a
-    (B, 1, 1, Lk) key padding mask where the layer's causal rule and window say the rest; or None
-    where they (with packed documents) say all of it.
+    """transformers' mask function for qkv: the mask a request describes, as a rule where qkv
+    recognises it exactly, else built.
 
-    It is transformers' own ``sdpa_mask`` (the same mask, in the same convention as qkv). Its
-    causal shortcut is kept where qkv's bottom-right causal rule means what the skipped mask
-    meant: with no padding, for one query or as many queries as keys (where both alignments
-    agree), never when decoding into a static cache. (transformers also takes it for a static
-    cache's prefill, whose queries are the first of the cache's keys, top-left: not here.) Then
-    no (Lq, Lk) mask is built at all and the layer's causal rule applies (``attention_forward``).
-    transformers does not take it for a sliding window
-    the keys reach past (``local_size``), because torch's kernel has no window; qkv has one, and
-    a sliding layer passes its window to the attention function (as FlashAttention needs), so
-    qkv takes the shortcut there too, except for chunked attention, which ``local_size`` also
-    describes. The bidirectional shortcut is turned off: it would drop the mask of models whose
-    layers still say ``is_causal``.
-
-    Sequences packed by their position ids (one row holds several documents, each restarting its
-    positions; transformers' ``DataCollatorWithFlattening`` with ``return_position_ids=True``) get
-    no mask either when transformers' mask is exactly its causal (or sliding-window causal) rule
-    within each document: the document ids transformers found are kept for the model's config,
-    and ``attention_forward`` passes them to qkv as ``segments`` (``qkv.integrations.packing``).
-
-    Padding in a causal (or sliding-window causal) layer's mask, several queries being the last
-    of the keys, is a (B, 1, 1, Lk) key padding mask (``_key_padding``): the layer's causal rule
-    and window apply in qkv.
+    Where the request is a causal, sliding-window or bidirectional rule with padding (or
+    sequences packed by position ids) that qkv's arguments mean exactly
+    (``mask_rules.rule_of``), it returns a ``mask_rules.RuleMask``: no (Lq, Lk) mask is built,
+    and qkv's attention function runs the rule as arguments. Anything else is transformers'
+    own ``sdpa_mask``, a bool (B, 1, Lq, Lk) mask, True = may attend (qkv's convention), built
+    in full: the shortcuts that let it return None are turned off, so that a missing mask
+    always means the model passed none.
     """
     from transformers.masking_utils import sdpa_mask
 
-    rule, documents = packing.causal_rule(kwargs)
-    if rule:  # (the model's packing, or none, for its layers: ``attention_forward``)
-        packing.remember(kwargs.get("config"), documents)
-        if documents is not None:
-            return None
-        key_padding = _key_padding(kwargs)
-        if key_padding is not None:
-            return key_padding
-    kwargs["allow_is_bidirectional_skip"] = False
-    if kwargs.get("q_length") not in (1, kwargs.get("kv_length")):
-        kwargs["allow_is_causal_skip"] = False
-    chunked = getattr(kwargs.get("config"), "attention_chunk_size", None) is not None
-    if kwargs.get("local_size") is not None and not chunked:
-        kwargs["local_size"] = None  # a sliding window: qkv applies it (see above)
+    rule_mask = mask_rules.rule_mask(kwargs)
+    if rule_mask is not None:
+        return rule_mask
+    kwargs["allow_is_causal_skip"] = kwargs["allow_is_bidirectional_skip"] = False
     return sdpa_mask(*args, **kwargs)
-
-
-def _key_padding(kwargs: dict[str, Any]) -> torch.Tensor | None:
-    """(B, 1, 1, Lk) bool, True = a real key: the padding of transformers' causal mask request
-    ``kwargs`` when the rest of that mask is the layer's causal rule aligned bottom-right (the
-    Lq > 1 queries are the last Lq of the keys: no static cache) and the caller lets the mask be
-    left out (it may combine the mask with others). Else None: the mask is built."""
-    padding, lq, lk = (kwargs.get(name) for name in ("attention_mask", "q_length", "kv_length"))
-    offsets = [kwargs.get(name, 0) for name in ("q_offset", "kv_offset")]
-    if (
-        not isinstance(padding, torch.Tensor)
-        or padding.ndim != 2
-        or not kwargs.get("allow_is_causal_skip", True)
-    ):
-        return None
-    if not (isinstance(lq, int) and isinstance(lk, int) and lq > 1):
-        return None
-    if not all(isinstance(offset, int) for offset in offsets):
-        return None
-    q_offset, kv_offset = offsets
-    if q_offset + lq != kv_offset + lk or padding.shape[-1] < kv_offset + lk:
-        return None
-    keys = padding[:, kv_offset : kv_offset + lk].to(torch.bool)
-    batch = kwargs.get("batch_size", keys.shape[0])
-    return keys[:, None, None, :].expand(batch, 1, 1, lk)
-
-
-def _key_padding_only(mask: torch.Tensor | None, lq: int, causal_layer: bool) -> bool:
-    """Whether a causal layer's bool mask holds key padding alone ((…, 1, Lk) for Lq > 1
-    queries: ``_key_padding``'s, never transformers', whose masks have a row per query), so the
-    layer's causal rule and window still apply."""
-    return (
-        causal_layer
-        and isinstance(mask, torch.Tensor)
-        and mask.dtype == torch.bool
-        and mask.ndim == 4
-        and mask.shape[-2] == 1
-        and lq > 1
-    )
 
 
 def attention_forward(
@@ -223,7 +209,10 @@ def attention_forward(
 
     Shapes: query (B, Hq, Lq, D), key (B, Hkv, Lk, D), value (B, Hkv, Lk, Dv) with Hq a multiple
     of Hkv (grouped-query heads are served by ``qkv.attention`` directly); ``attention_mask``
-    bool (True = may attend) or float (added), broadcastable to (B, Hq, Lq, Lk), or None.
+    a ``RuleMask`` from qkv's mask function (its rule runs as arguments), bool (True = may
+    attend) or float (added), broadcastable to (B, Hq, Lq, Lk), or None: then, as in
+    transformers' sdpa path, the layer's causal rule (the ``is_causal`` argument, else the
+    layer's attribute), aligned bottom-right (a KV cache's new queries are the last keys).
     Returns ``(out (B, Lq, Hq, Dv), weights (B, Hq, Lq, Lk) or None)``; weights are computed
     only when the model is asked for attentions.
     """
@@ -232,85 +221,48 @@ def attention_forward(
         raise ValueError(
             'qkv attention does not support paged caches (continuous batching); use "sdpa"'
         )
-
+    arguments = _mask_arguments(module, query, key, attention_mask, is_causal)
     # An additive bias per (head, query, key) joins the mask, which adds -inf where it blocks.
-    mask = masks.combine(attention_mask, position_bias)
-    # The layer's own causal rule; applied when the model passes no mask, aligned for a cache
-    # (bottom-right).
-    causal_layer = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
-    no_mask = attention_mask is None
-    rule_left = no_mask or _key_padding_only(attention_mask, query.shape[-2], causal_layer)
-    causal = causal_layer and rule_left
-    if rule_left and kwargs.get("sliding_window") is None:
-        kwargs["sliding_window"] = getattr(module, "sliding_window", None)  # (the mask skipped it)
-    lk = key.shape[-2]
-    structure = _structure(module, query.shape, lk, (no_mask, rule_left), causal_layer, kwargs)
-
+    arguments["mask"] = masks.combine(arguments["mask"], position_bias)
     want_weights = _weights_requested(kwargs)
     result = attention(
         query,
         key,
         value,
-        mask=mask,
-        causal=causal,
         scale=scaling,
         dropout_p=float(dropout),
         return_weights=want_weights,
         softcap=kwargs.get("softcap") or None,  # 0: none, as in FlashAttention
         sinks=_first(kwargs, "s_aux", "sinks"),
-        **structure,
+        **arguments,
     )
     out, weights = result if want_weights else (result, None)
     assert isinstance(out, torch.Tensor)
     return out.transpose(1, 2).contiguous(), weights  # (B, Lq, Hq, Dv)
 
 
+def _mask_arguments(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    is_causal: bool | None,
+) -> dict[str, Any]:
+    """``qkv.attention``'s mask, causal rule, window and segments for one layer's call."""
+    if isinstance(attention_mask, mask_rules.RuleMask):
+        rule = attention_mask.rule
+        if (rule.lq, rule.lk) == (query.shape[-2], key.shape[-2]) and rule.batch == query.shape[0]:
+            return rule.arguments()
+        attention_mask = attention_mask.materialize()  # (sizes of another layer: as eager)
+    if attention_mask is not None:
+        return {"mask": attention_mask, "causal": False}
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
+    return {"mask": None, "causal": bool(causal)}
+
+
 def _first(kwargs: dict[str, Any], *names: str) -> Any:
     """The first of ``names`` that the model passed (not None), or None."""
     return next((kwargs[name] for name in names if kwargs.get(name) is not None), None)
-
-
-def _structure(
-    module: torch.nn.Module,
-    query_shape: torch.Size,
-    lk: int,
-    masked: tuple[bool, bool],
-    causal_layer: bool,
-    kwargs: dict[str, Any],
-) -> dict[str, Any]:
-    """The window and the packed sequences a model passes, as ``window=`` and ``segments=``.
-
-    transformers' mask already blocks what they block; passed as well, they let flash skip the
-    tiles outside them. In a causal layer ``sliding_window`` = w means the w most recent keys
-    (transformers' mask and FlashAttention's window (w − 1, ·) agree), ``window=(w − 1, 0)``,
-    bottom-right aligned: the mask's alignment when the model passed no mask (or key padding
-    alone, ``masked``) or queries and keys have one length (with a static cache, a prefill's
-    queries are not the last of its keys, so the window is left to the mask there). A
-    bidirectional layer's w is left to the mask: its meaning differs between families
-    (modernbert passes one more than its mask's reach, t5gemma's encoder the reach itself).
-    ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (a flattened batch of packed sequences) become segment
-    ids, as do, in a causal layer given no mask, the documents of sequences packed by position
-    ids (``packing.documents``).
-    """
-    structure: dict[str, Any] = {}
-    batch, lq = query_shape[0], query_shape[-2]
-    sliding_window = kwargs.get("sliding_window")
-    no_mask, rule_left = masked  # (no mask; no mask or key padding alone)
-    known = causal_layer and (rule_left or lq == lk)
-    if isinstance(sliding_window, int) and sliding_window > 0 and known:
-        structure["window"] = (sliding_window - 1, 0)
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor) and batch == 1:
-        if int(cu_q[-1]) <= lq and int(cu_k[-1]) <= lk:  # (B = 1: the sequences lie side by side)
-            structure["segments"] = (
-                masks.segments_from_cu_seqlens(cu_q, lq)[None],
-                masks.segments_from_cu_seqlens(cu_k, lk)[None],
-            )
-    elif no_mask and causal_layer and lq == lk:  # maybe packed by position ids (mask_forward)
-        documents = packing.documents(module, kwargs.get("position_ids"), batch, lq)
-        if documents is not None:
-            structure["segments"] = documents
-    return structure
 
 
 def _weights_requested(kwargs: dict[str, Any]) -> bool:
