@@ -161,7 +161,7 @@ def test_metadata_never_builds_the_mask_and_any_operation_sees_it_dense() -> Non
     mask = rule_mask()
     assert mask.shape == (2, 1, 3, 5) and mask.dtype == torch.float32 and mask.ndim == 4
     assert mask.size(-1) == 5 and mask.dim() == 4 and mask.device.type == "cpu"
-    assert mask._dense is None
+    assert mask.detach() is mask and mask._dense is None
     keys = torch.tensor([True, True, True, True, True, False, True, True, True, True])
     allowed = qkv.sliding_window_mask(3, 5, window=2) & keys.view(2, 1, 1, 5)
     expected = torch.where(allowed, 0.0, float("-inf"))  # (B, 1, Lq, Lk)

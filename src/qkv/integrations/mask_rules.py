@@ -85,7 +85,8 @@ class RuleMask(torch.Tensor):
 
     Its own values are only the key padding, broadcast (no (Lq, Lk) memory); qkv's attention
     function reads ``rule`` instead. Any operation on it other than asking its shape, dtype or
-    device first turns it into the dense mask of its rule (made once, then kept).
+    device (or detaching it) first turns it into the dense mask of its rule (made once, then
+    kept).
     """
 
     rule: Rule
@@ -129,6 +130,8 @@ class RuleMask(torch.Tensor):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if func is torch.Tensor.detach:  # (a mask has no gradient: detaching changes nothing)
+            return args[0]
         if func in cls._METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
