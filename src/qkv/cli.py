@@ -1,4 +1,5 @@
-"""The ``qkv`` command: ``qkv explain TEXT`` (the main job), ``qkv bench`` and ``qkv check``.
+"""The ``qkv`` command: ``qkv explain TEXT`` (the main job), ``qkv bench``, ``qkv check`` and
+``qkv build``.
 
 Each subcommand lives in its own module, which provides ``configure(parser)`` and ``run(args)``;
 they are imported only when used, so ``qkv --help`` stays fast.
@@ -20,6 +21,10 @@ SUBCOMMANDS = {
     "check": (
         "qkv.checker.command",
         "grade a self-attention implementation (FILE.py:NAME) and say what is wrong",
+    ),
+    "build": (
+        "qkv.backends.flash.build_command",
+        "build flash's compiled CPU kernel now, not on first use",
     ),
 }
 

@@ -7,7 +7,7 @@ Three parts, one concern each:
   float64 and other devices.
 - ``kernel.py`` + ``flash_cpu.cpp``: the same forward recurrence and backward pass compiled for
   the CPU, for calls without a mask, and a decoding step that writes a KV cache and attends in
-  one call.
+  one call (``build.py`` builds it, ``build_command.py`` is ``qkv build``).
 - this module: the backend's entry points (``why_not``, ``attention``, ``attention_with_cache``)
   and ``forward``/``backward``, which run a block of keys on the kernel where it takes the call
   and on the loop otherwise (ring attention calls them block by block).

@@ -10,11 +10,15 @@ gradient), recomputes each tile's weights from the saved log-sum-exp and sums dQ
 per block, in a fixed order (the same bits on every run).
 
 The kernel is compiled the first time it is needed with torch's C++ extension tooling (a C++
-compiler and ninja), and cached by torch under ``~/.cache/torch_extensions``
-(``TORCH_EXTENSIONS_DIR`` moves it), so only the first use in a fresh environment pays the
-~1 min build. Its vector passes are written on ATen's portable vector type
-(``at::vec::Vectorized<float>``), so one source compiles to AVX-512, AVX2, NEON or plain C++;
-``QKV_FLASH_ISA`` picks the instruction set:
+compiler and ninja), which prints one line to stderr and takes about a minute, and cached by
+torch under ``~/.cache/torch_extensions`` (``TORCH_EXTENSIONS_DIR`` moves it): later loads
+print nothing and take a fraction of a second. ``qkv build`` builds it ahead of time. ``build.py``
+holds the build lock: a build killed part-way is started over by the next one, and a process
+waits for another one's build for at most ``QKV_BUILD_TIMEOUT`` seconds (10 minutes).
+
+Its vector passes are written on ATen's portable vector type (``at::vec::Vectorized<float>``),
+so one source compiles to AVX-512, AVX2, NEON or plain C++; ``QKV_FLASH_ISA`` picks the
+instruction set:
 
 - ``native`` (the default): everything the running CPU has (``-march=native``), with ATen's
   vectors as wide as its best ISA (AVX-512, else AVX2; NEON on aarch64);
@@ -24,10 +28,11 @@ compiler and ninja), and cached by torch under ``~/.cache/torch_extensions``
 
 The cached build is named after the ISA, the CPU's feature flags and the source's hash, so a
 cache shared by different machines or different versions of qkv never hands one a build for
-another's instruction set or another's source. Where it cannot be
-built, qkv warns once; flash then runs its PyTorch loop, which computes the same thing more
-slowly, and ``"auto"`` picks torch's kernel instead. ``QKV_FLASH_KERNEL=0`` (or
-``ENABLED = False``) skips the kernel without trying. ``build_info()`` says what was built.
+another's instruction set or another's source. Where it cannot be built (or another process's
+build outlasts the wait), qkv warns once, naming the build folder; flash then runs its PyTorch
+loop, which computes the same thing more slowly, and ``"auto"`` picks torch's kernel instead.
+``QKV_FLASH_KERNEL=0`` (or ``ENABLED = False``) skips the kernel without trying.
+``build_info()`` says what was built.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from types import ModuleType
 
 import torch
 
+from qkv.backends.flash.build import compile_extension, extension_folder
 from qkv.backends.flash.loop import flat_heads
 
 # Run the calls the kernel supports on it (False: always the PyTorch loop).
@@ -88,6 +94,11 @@ def capability_flags(isa: str) -> list[str]:
     return ["-march=native", *_capability("DEFAULT")]  # aarch64 (NEON), or plain C++
 
 
+def _capability_name(flags: list[str]) -> str:
+    """The CPU_CAPABILITY that a build's ``flags`` give ATen's vectors (AVX512, AVX2, DEFAULT)."""
+    return next(flag.split("=")[1] for flag in flags if flag.startswith("-DCPU_CAPABILITY="))
+
+
 def _capability(name: str) -> list[str]:
     defines = [f"-DCPU_CAPABILITY={name}"]
     return defines if name == "DEFAULT" else [*defines, f"-DCPU_CAPABILITY_{name}"]
@@ -122,6 +133,32 @@ def load() -> ModuleType | None:
     if ISA not in _loaded:
         _loaded[ISA] = _build(ISA)
     return _loaded[ISA]
+
+
+def build(isa: str) -> ModuleType:
+    """The kernel built for ``isa``: built now (one line on stderr says so), or its cached build
+    loaded. Unlike ``load``, raises where it cannot be built (what ``qkv build`` reports): a
+    ValueError for an ISA this CPU cannot run or a setting that means nothing, a ``BuildError``
+    (naming the build folder) for a failed build or for another process's build that did not
+    end within ``QKV_BUILD_TIMEOUT``."""
+    module = _loaded.get(isa)
+    if module is None:
+        flags = capability_flags(isa)
+        _check_cpu_runs(isa)
+        module = _loaded[isa] = compile_extension(
+            _extension_name(isa),
+            SOURCE,
+            cflags=[*_COMMON_FLAGS, *flags],
+            ldflags=["-fopenmp"],
+            what=f"flash's CPU kernel for {isa} ({_capability_name(flags)})",
+        )
+    return module
+
+
+def build_folder(isa: str) -> Path:
+    """The folder the kernel for ``isa`` is built and cached in (under ``TORCH_EXTENSIONS_DIR``
+    where it is set)."""
+    return extension_folder(_extension_name(isa))
 
 
 def build_info() -> dict[str, object]:
@@ -192,21 +229,8 @@ def cached_products() -> str:
 
 def _build(isa: str) -> ModuleType | None:
     try:
-        flags = capability_flags(isa)
-        _check_cpu_runs(isa)
-        import ninja  # the build tool torch's extension builder runs
-        from torch.utils import cpp_extension
-
-        if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-        module: ModuleType = cpp_extension.load(
-            name=f"qkv_flash_cpu_{isa}_{_cpu_id()}_{_source_id()}",
-            sources=[str(SOURCE)],
-            extra_cflags=[*_COMMON_FLAGS, *flags],
-            extra_ldflags=["-fopenmp"],
-        )
-        return module
-    except ValueError:  # a QKV_FLASH_ISA that names no ISA: the user's mistake, said as such
+        return build(isa)
+    except ValueError:  # a QKV_FLASH_ISA or QKV_BUILD_TIMEOUT that means nothing: said as such
         raise
     except Exception as error:  # no compiler, no ninja, a failed build: the loop still works
         warnings.warn(
@@ -218,6 +242,10 @@ def _build(isa: str) -> ModuleType | None:
             stacklevel=4,
         )
         return None
+
+
+def _extension_name(isa: str) -> str:
+    return f"qkv_flash_cpu_{isa}_{_cpu_id()}_{_source_id()}"
 
 
 def _source_id() -> str:
