@@ -240,6 +240,23 @@ def test_softcap_and_sinks_are_arguments_and_paged_caches_an_error() -> None:
         huggingface.attention_forward(_Layer(True), q, k, v, None, cache=PagedAttentionCache())
 
 
+def test_sinks_per_query_row_join_each_rows_softmax() -> None:
+    """A sink logit per (batch, head, query) (inkling2's per-token sink projection, shape
+    (B, Hq, Lq, 1)) against the softmax over the scores and the sink, dropping the sink."""
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 4, 8, generator=generator, dtype=torch.float64) for _ in range(3))
+    sinks = torch.randn(2, 2, 4, 1, generator=generator, dtype=torch.float64)
+    out, weights = huggingface.attention_forward(
+        _Layer(True), q, k, v, None, sinks=sinks, output_attentions=True
+    )
+    scores = (q @ k.transpose(-1, -2)) / 8**0.5
+    scores = scores.masked_fill(~qkv.causal_mask(4, 4), float("-inf"))
+    expected_weights = torch.cat([scores, sinks], dim=-1).softmax(-1)[..., :-1]
+    torch.testing.assert_close(weights, expected_weights)
+    torch.testing.assert_close(out, (expected_weights @ v).transpose(1, 2))
+    assert (weights.sum(-1) < 1).all()  # (the sinks took a share)
+
+
 def test_missing_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)
     monkeypatch.setitem(sys.modules, "transformers.masking_utils", None)

@@ -225,6 +225,8 @@ def attention_forward(
     # An additive bias per (head, query, key) joins the mask, which adds -inf where it blocks.
     arguments["mask"] = masks.combine(arguments["mask"], position_bias)
     want_weights = _weights_requested(kwargs)
+    sinks = _first(kwargs, "s_aux", "sinks")
+    head_sinks = sinks is None or tuple(sinks.shape) == (query.shape[-3],)
     result = attention(
         query,
         key,
@@ -233,12 +235,28 @@ def attention_forward(
         dropout_p=float(dropout),
         return_weights=want_weights,
         softcap=kwargs.get("softcap") or None,  # 0: none, as in FlashAttention
-        sinks=_first(kwargs, "s_aux", "sinks"),
+        sinks=sinks if head_sinks else None,
+        return_lse=not head_sinks,
         **arguments,
     )
-    out, weights = result if want_weights else (result, None)
-    assert isinstance(out, torch.Tensor)
+    parts = list(result) if isinstance(result, tuple) else [result]
+    if not head_sinks:  # one sink logit per query row: (B, Hq, Lq) or (B, Hq, Lq, 1)
+        parts = _with_row_sinks(parts[:-1], parts[-1], sinks)
+    out, weights = parts if want_weights else (parts[0], None)
     return out.transpose(1, 2).contiguous(), weights  # (B, Lq, Hq, Dv)
+
+
+def _with_row_sinks(
+    parts: list[torch.Tensor], lse: torch.Tensor, sinks: torch.Tensor
+) -> list[torch.Tensor]:
+    """Output (and weights) of attention with one sink logit per query row (a virtual key of
+    value 0, as a per-token sink projection gives): the keys keep exp(lse) / (exp(lse) +
+    exp(sink)) = sigmoid(lse − sink) of the row's probability, the sink the rest. A row with no
+    key keeps nothing (lse = −inf): its output is 0."""
+    if sinks.dim() == lse.dim() + 1 and sinks.shape[-1] == 1:
+        sinks = sinks.squeeze(-1)
+    share = torch.sigmoid(lse - sinks.to(lse.dtype))  # (B, Hq, Lq)
+    return [(part * share[..., None]).to(part.dtype) for part in parts]
 
 
 def _mask_arguments(
