@@ -33,7 +33,6 @@ Legend: B batch, H heads (Hq query, Hkv key/value), L/Lq query length, S/Lk key 
 from __future__ import annotations
 
 import importlib
-import warnings
 from types import ModuleType
 from typing import Any
 
@@ -41,11 +40,10 @@ import torch
 
 from qkv import masks
 from qkv.functional import attention
-from qkv.integrations import mask_rules
+from qkv.integrations import mask_rules, model_parts
 
 INSTALL_HINT = 'pip install "qkv[hf]"'
 _REGISTERED: set[str] = set()
-_SPLIT_WARNED: set[tuple[str, tuple[str, ...]]] = set()
 
 
 def require_transformers() -> ModuleType:
@@ -95,16 +93,10 @@ def register(name: str = "qkv") -> str:
 
 
 def _refuse_models_outside_the_interface(model_class: type) -> None:
-    """Decide, model by model, what runs on qkv when a model's own attention code bypasses
-    transformers' attention interface (transformers' own test: ``_can_set_attn_implementation``).
-
-    Such code would never call qkv, or read qkv's masks as numbers, so it runs on "eager". A
-    composite model (a vision or audio encoder beside a language model) keeps qkv for each part
-    whose own model class uses the interface and runs the rest on "eager", with one warning
-    naming them (``_split``); a model with no such part is refused with an error naming it and
-    the alternative. transformers chooses every model's implementation in
-    ``get_correct_attn_implementation``; this wraps it once.
-    """
+    """Make asking for qkv run only the parts of a model that call transformers' attention
+    interface on qkv, the rest on "eager", and refuse by name a model with no such part
+    (``model_parts.split``). transformers chooses every model's implementation in
+    ``get_correct_attn_implementation``; this wraps it once."""
     original = model_class.get_correct_attn_implementation  # type: ignore[attr-defined]
     if getattr(original, "refuses_models_outside_the_interface", False):
         return
@@ -112,64 +104,15 @@ def _refuse_models_outside_the_interface(model_class: type) -> None:
     def get_correct_attn_implementation(
         self: Any, requested_attention: str | None, is_init_check: bool = False
     ) -> str:
-        if requested_attention in _REGISTERED and not _uses_the_interface(type(self)):
-            return _split(self, requested_attention)
+        if requested_attention in _REGISTERED:
+            own_code = model_parts.split(self, requested_attention)
+            if own_code is not None:
+                return own_code
         result: str = original(self, requested_attention, is_init_check)
         return result
 
     get_correct_attn_implementation.refuses_models_outside_the_interface = True  # type: ignore[attr-defined]
     model_class.get_correct_attn_implementation = get_correct_attn_implementation  # type: ignore[attr-defined]
-
-
-def _uses_the_interface(model_class: Any) -> bool:
-    can_set = getattr(model_class, "_can_set_attn_implementation", None)
-    return can_set is None or bool(can_set())
-
-
-def _split(model: Any, name: str) -> str:
-    """ "eager" for ``model``'s own code, keeping ``name`` (qkv) on each sub-model whose model
-    class uses the attention interface; a ValueError naming the model where none does."""
-    config = model.config
-    keys = getattr(config, "sub_configs", {})
-    parts = {key: getattr(config, key) for key in keys if getattr(config, key, None) is not None}
-    on_qkv = [key for key, part in parts.items() if _part_uses_the_interface(part)]
-    model_type = getattr(config, "model_type", "?")
-    if not on_qkv:
-        raise ValueError(
-            f'{type(model).__name__} (model type "{model_type}") computes attention in its '
-            f"own code, outside transformers' attention interface, so "
-            f'attn_implementation="{name}" cannot run it on qkv (it would never call qkv, or '
-            f'misread its mask); load it with attn_implementation="eager" or "sdpa" instead'
-        )
-    on_eager = [key for key in parts if key not in on_qkv]
-    for key in on_eager:
-        parts[key]._attn_implementation = "eager"  # (transformers sets it on its parts too)
-    key = (type(model).__name__, tuple(on_eager))
-    if key not in _SPLIT_WARNED:
-        _SPLIT_WARNED.add(key)
-        own = ", ".join(["its own layers", *on_eager])
-        warnings.warn(
-            f'{type(model).__name__} (model type "{model_type}"): {own} compute attention '
-            f'outside transformers\' attention interface and run on "eager"; '
-            f'{", ".join(on_qkv)} run on "{name}"',
-            UserWarning,
-            stacklevel=2,
-        )
-    return "eager"
-
-
-def _part_uses_the_interface(config: Any) -> bool:
-    """Whether the model class transformers builds for a sub-config (its auto mapping) uses
-    the attention interface; False for a part only its parent's code knows."""
-    from transformers.models.auto import modeling_auto
-
-    for mapping in (modeling_auto.MODEL_MAPPING, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING):
-        try:
-            model_class = mapping[type(config)]
-        except (KeyError, ValueError):
-            continue
-        return _uses_the_interface(model_class)
-    return False
 
 
 def mask_forward(*args: Any, **kwargs: Any) -> torch.Tensor | None:
@@ -222,8 +165,11 @@ def attention_forward(
             'qkv attention does not support paged caches (continuous batching); use "sdpa"'
         )
     arguments = _mask_arguments(module, query, key, attention_mask, is_causal)
-    # An additive bias per (head, query, key) joins the mask, which adds -inf where it blocks.
+    # An additive bias per (head, query, key) joins the mask, which adds -inf where it blocks;
+    # so do the keys a sparse-attention indexer selected for each query.
     arguments["mask"] = masks.combine(arguments["mask"], position_bias)
+    selected = _selected_keys(module, kwargs, key.shape[-2])
+    arguments["mask"] = masks.combine(arguments["mask"], selected)
     want_weights = _weights_requested(kwargs)
     sinks = _first(kwargs, "s_aux", "sinks")
     head_sinks = sinks is None or tuple(sinks.shape) == (query.shape[-3],)
@@ -276,6 +222,30 @@ def _mask_arguments(
         return {"mask": attention_mask, "causal": False}
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
     return {"mask": None, "causal": bool(causal)}
+
+
+def _selected_keys(module: torch.nn.Module, kwargs: dict[str, Any], lk: int) -> Any:
+    """(B, 1, Lq, Lk) bool, True at the keys a sparse-attention indexer chose for each query
+    (DeepSeek V3.2's ``indices``, (B, Lq, top-k) key positions), or None. Models of that kind
+    apply the choice as a mask on "eager" and "sdpa" and hand it to their kernel otherwise: qkv
+    applies it as eager does. Block indices (choices of key blocks) are refused: their meaning
+    lives in the model's own indexer."""
+    if kwargs.get("block_indices") is not None:
+        raise ValueError(
+            f"{type(module).__name__} passes block_indices (the key blocks its sparse-attention "
+            'indexer chose), which qkv cannot apply; load it with attn_implementation="eager" '
+            'or "sdpa" instead'
+        )
+    indices = kwargs.get("indices")
+    if not isinstance(indices, torch.Tensor):
+        return None
+    if indices.ndim != 3 or bool((indices < 0).any()) or bool((indices >= lk).any()):
+        raise ValueError(
+            f"{type(module).__name__}'s indices (the keys chosen for each query) must be "
+            f"(B, Lq, top-k) positions in [0, {lk}), got shape {tuple(indices.shape)}"
+        )
+    chosen = torch.zeros(*indices.shape[:2], lk, dtype=torch.bool, device=indices.device)
+    return chosen.scatter(-1, indices.long(), True)[:, None]  # (B, 1, Lq, Lk)
 
 
 def _first(kwargs: dict[str, Any], *names: str) -> Any:
