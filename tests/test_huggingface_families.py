@@ -460,3 +460,47 @@ def test_a_bypassing_model_keeps_its_own_attention_when_asked_later() -> None:
     model = model_class._from_config(config, attn_implementation="eager")
     model.set_attn_implementation(NAME)  # transformers declines (with a warning)
     assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize(
+    ("name", "on_eager", "on_qkv"),
+    [
+        ("got_ocr2", ["vision_config"], ["text_config"]),
+        ("granite_speech", ["encoder_config"], ["text_config", "projector_config"]),
+        ("deepseek_vl_hybrid", ["high_res_vision_config"], ["text_config", "vision_config"]),
+    ],
+)
+def test_parts_outside_the_interface_run_on_eager_and_the_rest_on_qkv(
+    name: str, on_eager: list[str], on_qkv: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A composite model whose encoder computes attention in its own code (or looks its
+    attention class up by implementation name) is not refused: one warning names the parts
+    that run on eager, and its language model runs on qkv, equal to eager."""
+    from hf_tiny import tiny_config
+
+    config, _ = tiny_config(name)
+    model_class = transformers.AutoModelForCausalLM
+    if type(config) not in model_class._model_mapping:
+        model_class = transformers.AutoModelForImageTextToText
+    if type(config) not in model_class._model_mapping:
+        model_class = transformers.AutoModelForSpeechSeq2Seq
+    torch.manual_seed(0)
+    eager = model_class.from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+    with pytest.warns(UserWarning, match='run on "eager"') as caught:
+        ours = model_class.from_config(copy.deepcopy(config), attn_implementation=NAME).eval()
+    message = str(caught[0].message)
+    assert all(key in message for key in on_eager + on_qkv)
+    for key in on_eager:
+        assert getattr(ours.config, key)._attn_implementation == "eager"
+    for key in on_qkv:
+        assert getattr(ours.config, key)._attn_implementation == NAME
+    ours.load_state_dict(eager.state_dict())
+    calls = spy(monkeypatch)
+    input_ids, attention_mask = padded_batch()
+    input_ids = input_ids.clamp(max=config.get_text_config().vocab_size - 1)
+    with torch.no_grad():
+        got = ours(input_ids=input_ids, attention_mask=attention_mask).logits
+        expected = eager(input_ids=input_ids, attention_mask=attention_mask).logits
+    assert calls  # the language model ran on qkv
+    real = attention_mask.bool()
+    torch.testing.assert_close(got[real], expected[real], atol=ATOL, rtol=ATOL)
