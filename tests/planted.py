@@ -140,6 +140,17 @@ class DropoutInEval(Attention):
         return F.dropout(weights, 0.1)  # training defaults to True: drops in eval mode too
 
 
+class DropoutByDefault(Attention):
+    """Dropout in eval mode at the constructor's default rate; built with dropout=0 (as qkv
+    check builds a class) it never shows."""
+
+    def __init__(self, d_model: int, n_heads: int = 4, dropout: float = 0.1) -> None:
+        super().__init__(d_model, n_heads, dropout)
+
+    def drop(self, weights: torch.Tensor) -> torch.Tensor:
+        return F.dropout(weights, p=self.dropout.p)  # nn.Dropout's rate, but not its mode
+
+
 class NaNOnFullyPadded(Attention):
     def softmax(self, scores: torch.Tensor) -> torch.Tensor:
         return torch.softmax(scores, dim=-1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import planted
+import planted_flash
 import pytest
 import torch
 from torch import nn
@@ -170,7 +171,10 @@ def test_torch_multihead_attention_gives_nan_for_a_fully_padded_row_in_inference
 @pytest.mark.parametrize(
     "example", [e for e in tutorials.EXAMPLES], ids=lambda e: f"{e.file}:{e.name}"
 )
-def test_each_tutorial_is_graded_as_its_defect_says(example: tutorials.Example) -> None:
+def test_each_tutorial_is_graded_as_its_defect_says(
+    example: tutorials.Example, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    planted_flash.small_and_untimed(monkeypatch)
     report = tutorials.check_example(example)
     assert failed(report) == set(example.fails), report.text()
 

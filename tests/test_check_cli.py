@@ -7,10 +7,12 @@ import json
 import textwrap
 from pathlib import Path
 
+import planted_flash
 import pytest
 
 from qkv import cli
 from qkv.checker import CHECK_IDS, command
+from qkv.checker.report import FLASH_CHECK_IDS
 
 ROOT = Path(__file__).resolve().parents[1]
 TUTORIALS = ROOT / "examples" / "tutorials"
@@ -123,13 +125,35 @@ def test_without_rich_the_card_is_plain_text(
     assert "✗ scale" in out and "1 (no scale at all)" in out
 
 
-def test_examples_grade_every_tutorial_as_expected(capsys: pytest.CaptureFixture[str]) -> None:
+def test_examples_grade_every_tutorial_as_expected(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    planted_flash.small_and_untimed(monkeypatch)
     code, out, _ = qkv_check(capsys, "--examples")
     text = " ".join(out.split())
     assert code == 0
-    assert "11 of 11 implementations graded as expected" in text
+    assert "13 of 13 implementations graded as expected" in text
     assert "Masked scores are filled with a tiny number (like 1e-20)" in text
     assert "1/√32 = 1/√d_in" in text
+    assert "The running sum l is not rescaled when the maximum grows" in text
+
+
+def test_flash_exits_0_on_the_right_tutorial_and_1_on_the_wrong_one(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    planted_flash.small_and_untimed(monkeypatch)
+    code, out, _ = qkv_check(
+        capsys, f"{TUTORIALS / 'flash_attention.py'}:FlashAttention", "--flash"
+    )
+    assert code == 0, out
+    assert "qkv check · ok" in out and "bottom-right" in out
+    wrong = f"{TUTORIALS / 'flash_attention_no_rescale.py'}:FlashAttention"
+    code, out, _ = qkv_check(capsys, wrong, "--flash", "--json", "-")
+    report = json.loads(out)
+    assert code == 1 and report["ok"] is False
+    assert [c["id"] for c in report["checks"]] == list(FLASH_CHECK_IDS)
+    oracle = next(c for c in report["checks"] if c["id"] == "oracle")
+    assert "not rescaled" in oracle["detail"] and "key tiles of 64" in oracle["detail"]
 
 
 def test_nothing_to_check_exits_2(capsys: pytest.CaptureFixture[str]) -> None:

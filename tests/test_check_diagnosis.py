@@ -3,11 +3,14 @@ and every named scale is recognised, for any head count."""
 
 from __future__ import annotations
 
+import math
+
 import planted
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch import nn
 
 import qkv
 from qkv.checker import Report, check, tutorials
@@ -43,6 +46,11 @@ PLANTED = {
     "causal mask flipped": (planted.CausalFlipped, "causal", ["flipped", "future"]),
     "causal flag ignored": (planted.CausalIgnored, "causal", ["no effect", "future"]),
     "dropout in eval": (planted.DropoutInEval, "dropout", ["eval mode", "training=self.training"]),
+    "dropout in eval at the default rate": (
+        planted.DropoutByDefault,
+        "dropout",
+        ["eval mode", "dropout=0.1 (its default)", "training=self.training"],
+    ),
     "NaN on a fully padded row": (planted.NaNOnFullyPadded, "fully-masked", ["NaN", "0/0"]),
     "batch mixing": (planted.BatchMixing, "batch", ["changing item 1 changes item 0", "mix"]),
     "padding broadcast over queries": (
@@ -121,3 +129,49 @@ def test_an_unnamed_scale_is_measured() -> None:
 
     detail = check(scaled)["scale"].detail
     assert "0.05" in detail and "1/√8" in detail
+
+
+def test_a_function_scaled_by_the_value_width_is_named() -> None:
+    """With Dv = Dk the two scales agree; the probe with values of width 16 tells them apart."""
+
+    def scaled_by_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        scores = q @ k.transpose(-2, -1) / math.sqrt(v.size(-1))
+        return torch.softmax(scores, dim=-1) @ v
+
+    report = check(scaled_by_values)
+    assert failed(report) == {"oracle", "scale"}, report.text()
+    assert "1/√16 = 1/√d_v" in report["scale"].detail and "1/√8 = 1/√d_k" in report["scale"].detail
+    assert "Dv = 16" in report["oracle"].detail
+    assert "Dv = 16 (≠ Dk) too" in check(qkv.attention)["scale"].detail
+
+
+class KeyValueWidths(nn.Module):
+    """Key and value widths of its own (d_k, d_v per head), scaled by one of them."""
+
+    def __init__(self, d_model: int, d_k: int, d_v: int, n_heads: int = 4, by: str = "d_k"):
+        super().__init__()
+        self.heads, self.d_k, self.d_v, self.by = n_heads, d_k, d_v, by
+        self.w_q = nn.Linear(d_model, n_heads * d_k)
+        self.w_k = nn.Linear(d_model, n_heads * d_k)
+        self.w_v = nn.Linear(d_model, n_heads * d_v)
+        self.w_o = nn.Linear(n_heads * d_v, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q, k, v = (
+            w(x).view(batch, length, self.heads, size).transpose(1, 2)
+            for w, size in ((self.w_q, self.d_k), (self.w_k, self.d_k), (self.w_v, self.d_v))
+        )
+        scores = q @ k.transpose(-2, -1) / math.sqrt(getattr(self, self.by))
+        out = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2)
+        return self.w_o(out.reshape(batch, length, self.heads * self.d_v))
+
+
+def test_a_module_with_its_own_value_width_is_probed_with_another() -> None:
+    wrong = check(KeyValueWidths, init={"by": "d_v"})
+    assert failed(wrong) == {"oracle", "scale"}, wrong.text()
+    detail = wrong["scale"].detail
+    assert "Built with d_v=16" in detail and "1/√16 = 1/√d_v" in detail
+    right = check(KeyValueWidths)
+    assert right.ok, right.text()
+    assert "built with d_v=16 (≠ Dk) too" in right["scale"].detail

@@ -13,9 +13,9 @@ import torch
 
 from qkv.checker.compare import difference, tolerance
 from qkv.checker.context import BATCH, LENGTH, Context, gradients_of
-from qkv.checker.diagnose import Finding, fit_scale, right_error
+from qkv.checker.diagnose import RIGHT, Finding, fit_scale, right_error
 from qkv.checker.probe import PADDED, padding_keep
-from qkv.checker.report import Result
+from qkv.checker.report import Result, number, sentence
 
 NO_CAPTURE = (
     "could not find the Q, K and V projections: qkv looks for nn.Linear layers applied to x "
@@ -24,18 +24,16 @@ NO_CAPTURE = (
 )
 
 
-def _num(value: float) -> str:
-    return f"{value:.3g}"
-
-
 def shapes(ctx: Context) -> Result:
     target, inputs, out = ctx.target, ctx.inputs, ctx.base.out
     shape = tuple(inputs.tensors[0].shape)
+    expected: tuple[int, ...] = shape
     if target.kind == "module":
-        width = target.out_width or target.width
-        expected: tuple[int, ...] = (BATCH, LENGTH, width)
-    else:
-        expected = shape
+        expected = (BATCH, LENGTH, target.out_width or target.width)
+        if target.value_init is not None and out.shape[-1] != expected[-1]:
+            # no output projection: its values' width (all heads) is the output's
+            value_width = target.init[target.value_init] * (target.heads or 1)
+            expected = (BATCH, LENGTH, value_width)
     said = f"output {tuple(out.shape)} {out.dtype} for input {shape} {inputs.dtype}"
     if tuple(out.shape) != expected:
         return Result("shapes", "fail", f"{said}; expected {expected}")
@@ -69,7 +67,9 @@ def weights(ctx: Context) -> Result:
     sums = found.sum(-1)
     miss = float((sums - 1).abs().max()) if sums.numel() else 0.0
     limit = tolerance(sums)
-    said = f"weights {tuple(found.shape)}: smallest {_num(smallest)}, rows sum to 1 ± {_num(miss)}"
+    said = (
+        f"weights {tuple(found.shape)}: smallest {number(smallest)}, rows sum to 1 ± {number(miss)}"
+    )
     if not bool(found.isfinite().all()):
         return Result("weights", "fail", f"{said}; the weights hold NaN or inf")
     if smallest < -limit or miss > limit:
@@ -105,43 +105,43 @@ def oracle(ctx: Context) -> Result:
         return Result("oracle", "skip", NO_CAPTURE)
     said = _oracle_said(ctx, finding, False)
     if finding is not None and finding.mistake.name == "right":
-        return Result(
-            "oracle",
-            "pass",
-            f"equals {said} on its own Q, K, V (max difference "
-            f"{_num(finding.error)}; {cap.source})",
-        )
+        found = f"equals {said} on its own Q, K, V (max difference {number(finding.error)}; "
+        values, values_cap, values_finding = ctx.diagnosed_values()
+        if values_cap is not None and (values_finding is None or values_finding.mistake != RIGHT):
+            miss = right_error(values_cap, ctx.setting(), finding.heads)
+            scaled = values_finding is not None and values_finding.mistake.check == "scale"
+            why = ": the scale is wrong (see scale)" if scaled else ""
+            return Result(
+                "oracle",
+                "fail",
+                f"{found}{cap.source}), but not {values}: it misses by {number(miss)}{why}",
+            )
+        return Result("oracle", "pass", f"{found}{cap.source})")
     heads = finding.heads if finding else (ctx.target.heads or 1)
     miss = right_error(cap, ctx.setting(), heads)
     if finding is not None and finding.mistake.check == "scale":  # explained by the scale check
         return Result(
             "oracle",
             "fail",
-            f"differs from {said} on its own Q, K, V by {_num(miss)} ({cap.source}): the scale "
+            f"differs from {said} on its own Q, K, V by {number(miss)} ({cap.source}): the scale "
             "is wrong (see scale)",
         )
     if finding is not None:
         evidence = _evidence(said, miss, finding)
-        return Result(
-            "oracle", "fail", f"{_sentence(finding.explain())}. {evidence} ({cap.source})"
-        )
+        return Result("oracle", "fail", f"{sentence(finding.explain())}. {evidence} ({cap.source})")
     return Result(
         "oracle",
         "fail",
-        f"differs from {said} on its own Q, K, V by {_num(miss)}; "
+        f"differs from {said} on its own Q, K, V by {number(miss)}; "
         "none of the usual mistakes (scale, softmax axis, head split or merge) explains "
         f"it ({cap.source})",
     )
 
 
-def _sentence(text: str) -> str:
-    return text[:1].upper() + text[1:]
-
-
 def _evidence(said: str, miss: float, finding: Finding) -> str:
     return (
-        f"The evidence: from its own Q, K, V, {said} misses its output by {_num(miss)}, while "
-        f"the same computation with this mistake in it gives its output to {_num(finding.error)}"
+        f"The evidence: from its own Q, K, V, {said} misses its output by {number(miss)}, while "
+        f"the same computation with this mistake in it gives its output to {number(finding.error)}"
     )
 
 
@@ -158,9 +158,9 @@ def scale(ctx: Context) -> Result:
             miss = right_error(cap, ctx.setting(), finding.heads)
             said = _oracle_said(ctx, finding, False)
             evidence = _evidence(said, miss, finding)
-            return Result("scale", "fail", f"{_sentence(finding.explain())}. {evidence}")
+            return Result("scale", "fail", f"{sentence(finding.explain())}. {evidence}")
         if finding.mistake.name == "right":
-            return Result("scale", "pass", f"the scale is {right}, as it must be")
+            return _scale_with_values(ctx, f"the scale is {right}, as it must be")
         return Result(
             "scale", "pass", f"the scale is {right}; what is wrong is elsewhere (see oracle)"
         )
@@ -178,8 +178,25 @@ def scale(ctx: Context) -> Result:
         "scale",
         "skip",
         "no scale s makes softmax(QKᵀ·s)V equal the output (closest "
-        f"misses by {_num(miss)}): the error is not the scale (see oracle)",
+        f"misses by {number(miss)}): the error is not the scale (see oracle)",
     )
+
+
+def _scale_with_values(ctx: Context, said: str) -> Result:
+    """The scale check's second look, with values of another width than the keys."""
+    values, cap, finding = ctx.diagnosed_values()
+    if cap is None:
+        return Result("scale", "pass", f"{said}; {values}" if values else said)
+    if finding is not None and finding.mistake.check == "scale":
+        miss = right_error(cap, ctx.setting(), finding.heads)
+        evidence = _evidence(_oracle_said(ctx, finding, False), miss, finding)
+        numbers = finding.numbers
+        return Result(
+            "scale",
+            "fail",
+            f"{sentence(values)} (Dk = {numbers['D']}): {finding.explain()}. {evidence}",
+        )
+    return Result("scale", "pass", f"{said}, {values} (≠ Dk) too")
 
 
 def causal(ctx: Context) -> Result:
@@ -202,12 +219,12 @@ def causal(ctx: Context) -> Result:
     bad_rows = [i for i in range(LENGTH) if not bool(base[:, i].isfinite().all())]
     said = (
         f"changing positions {half}–{LENGTH - 1} changes the outputs at 0–{half - 1} "
-        f"by {_num(leak)}"
+        f"by {number(leak)}"
     )
     if leak > tolerance(base) or math.isnan(leak):
         why = cause or _elsewhere(ctx)
         return Result(
-            "causal", "fail", f"{said}: earlier positions see the future. {_sentence(why)}"
+            "causal", "fail", f"{said}: earlier positions see the future. {sentence(why)}"
         )
     if bad_rows:
         return Result(
@@ -268,28 +285,26 @@ def padding(ctx: Context) -> Result:
     said = (
         f"with {encoding.describe(ctx.target.mask_param or 'mask')} and item 0's first "
         f"{PADDED} tokens padded, changing them changes the real tokens' outputs by "
-        f"{_num(change)}"
+        f"{number(change)}"
     )
     leaked, allowed = 0.0, 0.0
     if masked.weights is not None:
         leaked = float(masked.weights[0, ..., PADDED:, :PADDED].double().abs().max())
         allowed = tolerance(masked.weights)
-        said += f"; real queries give padded keys weight up to {_num(leaked)}"
+        said += f"; real queries give padded keys weight up to {number(leaked)}"
     _, _, finding = ctx.diagnosed("padding", padded=True)
     cause = _cause(finding, "padding")
     leaks = change > tolerance(masked.rows) or leaked > allowed
     if leaks or math.isnan(change) or math.isnan(leaked):
         why = cause or _elsewhere(ctx)
-        return Result(
-            "padding", "fail", f"{said}: padding leaks into real tokens. {_sentence(why)}"
-        )
+        return Result("padding", "fail", f"{said}: padding leaks into real tokens. {sentence(why)}")
     if cause or not ctx.probe.exact:
         why = cause or _elsewhere(ctx)
         return Result(
             "padding",
             "fail",
             f"{said}, but the real tokens' outputs differ from "
-            f"running them alone by {_num(ctx.probe.error)}. {_sentence(why)}",
+            f"running them alone by {number(ctx.probe.error)}. {sentence(why)}",
         )
     return Result("padding", "pass", f"{said}; they equal the real tokens run alone")
 
@@ -335,5 +350,5 @@ def fully_masked(ctx: Context) -> Result:
             "NaN from ever being computed",
         )
     size = float(rows[0].detach().abs().max())
-    note = "all zeros" if size == 0 else f"largest |output| {_num(size)}; qkv gives exactly 0"
+    note = "all zeros" if size == 0 else f"largest |output| {number(size)}; qkv gives exactly 0"
     return Result("fully-masked", "pass", f"{said} ({note}) and finite gradients")

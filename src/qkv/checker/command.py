@@ -20,13 +20,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(self-attention over x (B, L, E)) or a function f(q, k, v, ...). Twelve checks:\n"
         "shapes, weights, oracle, scale, causal, padding, fully-masked, batch, dropout,\n"
         "empty, dtypes, gradients. Each passes, fails with what is wrong and the numbers\n"
-        "that show it, or is skipped with the reason."
+        "that show it, or is skipped with the reason.\n\n"
+        "--flash grades a flash attention instead: a function or torch.autograd.Function\n"
+        "f(q, k, v[, causal]) returning out or (out, lse): oracle, lse, backward, causal,\n"
+        "alignment, odd-lengths, fully-masked, dtypes, determinism, memory, work (which\n"
+        "warns, never fails)."
     )
     parser.epilog = (
         "examples:\n"
         "  qkv check my_attention.py:SelfAttention\n"
         "  qkv check my_attention.py:MultiHead --init d_model=64,n_heads=4 --json report.json\n"
         "  qkv check kernels.py:my_attention --forward scale=None\n"
+        "  qkv check flash.py:FlashAttention --flash\n"
         "  qkv check --examples\n"
         "\nexit status: 0 no check failed, 1 a check failed, 2 it could not be run"
     )
@@ -42,6 +47,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device",
         help="where to run it, e.g. cuda (default: cpu); outputs are compared on the CPU",
+    )
+    parser.add_argument(
+        "--flash",
+        action="store_true",
+        help="grade a flash attention: f(q, k, v[, causal]) or an autograd.Function returning "
+        "out or (out, lse)",
     )
     parser.add_argument(
         "--examples",
@@ -95,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
             heads=args.heads,
             name=args.spec,
             device=args.device,
+            flash=args.flash,
         )
     except CheckError as error:
         return _say_error(str(error))

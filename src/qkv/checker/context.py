@@ -18,7 +18,7 @@ from qkv.checker.compare import difference, tolerance
 from qkv.checker.diagnose import Finding, Setting, diagnose
 from qkv.checker.inputs import Inputs
 from qkv.checker.probe import Probe, padding_keep, probe
-from qkv.checker.target import Output, Target
+from qkv.checker.target import D_VALUE, Output, Target, error_text
 
 BATCH, LENGTH = 2, 7  # 7: a length equal to no feature size, so shapes cannot be confused
 
@@ -33,6 +33,7 @@ class Context:
     base: Output
     eval_noise: float  # largest difference between two eval-mode calls on the same input
     cache: dict[str, tuple[Output, Capture | None, Finding | None]] = field(default_factory=dict)
+    values: tuple[str, Capture | None, Finding | None] | None = None  # the Dv ≠ Dk probe
 
     @property
     def always_causal(self) -> bool:
@@ -82,6 +83,38 @@ class Context:
             finding = None if cap is None else diagnose(cap, setting, self.target.heads)
             self.cache[name] = (output, cap, finding)
         return self.cache[name]
+
+    def diagnosed_values(self) -> tuple[str, Capture | None, Finding | None]:
+        """``values_probe``, run once."""
+        if self.values is None:
+            self.values = self.values_probe()
+        return self.values
+
+    def values_probe(self) -> tuple[str, Capture | None, Finding | None]:
+        """The probe with values of another width than the keys (Dv = ``D_VALUE``): a scale by
+        √Dv looks right whenever Dv = Dk. Returns what was run (or why not) and its diagnosis;
+        no capture when it does not apply (a module without a value-width argument) or raised."""
+        target = self.target
+        inputs = self.inputs
+        if target.kind == "function":
+            inputs = target.inputs(BATCH, LENGTH, value_width=D_VALUE)
+            chosen: Target | None = target
+        elif target.value_init is not None:
+            chosen = target.variant(**{target.value_init: D_VALUE})
+        else:
+            return "", None, None
+        assert chosen is not None
+        said = f"with values of width Dv = {D_VALUE}"
+        if chosen.module is not None:
+            chosen.module.eval()
+            said = f"built with {target.value_init}={D_VALUE}"
+        try:
+            _, cap = run_captured(chosen, inputs)
+        except Exception as error:  # a function that needs Dv = Dk: not a finding
+            return f"it does not take Dv ≠ Dk ({error_text(error)})", None, None
+        if cap is None:
+            return said, None, None
+        return said, cap, diagnose(cap, self.setting(), self.target.heads)
 
 
 def gradients_of(

@@ -10,22 +10,39 @@ CHECK_IDS = (
     "shapes", "weights", "oracle", "scale", "causal", "padding", "fully-masked", "batch",
     "dropout", "empty", "dtypes", "gradients",
 )  # fmt: skip
-STATUSES = ("pass", "fail", "skip")
-MARKS = {"pass": "✓", "fail": "✗", "skip": "–"}
-STYLES = {"pass": "green", "fail": "bold red", "skip": "dim"}
+FLASH_CHECK_IDS = (
+    "oracle", "lse", "backward", "causal", "alignment", "odd-lengths", "fully-masked", "dtypes",
+    "determinism", "memory", "work",
+)  # fmt: skip
+KNOWN_IDS = tuple(dict.fromkeys(CHECK_IDS + FLASH_CHECK_IDS))
+# A warning is a finding that does not fail the check run: a cost, or a choice with a price.
+STATUSES = ("pass", "fail", "warn", "skip")
+MARKS = {"pass": "✓", "fail": "✗", "warn": "!", "skip": "–"}
+STYLES = {"pass": "green", "fail": "bold red", "warn": "yellow", "skip": "dim"}
+
+
+def number(value: float) -> str:
+    """A number in a paragraph: three significant digits."""
+    return f"{value:.3g}"
+
+
+def sentence(text: str) -> str:
+    """``text`` with a capital first letter, to start a sentence."""
+    return text[:1].upper() + text[1:]
 
 
 @dataclass(frozen=True)
 class Result:
-    """One check: its stable id, ``pass``/``fail``/``skip`` and a paragraph with the numbers."""
+    """One check: its stable id, ``pass``/``fail``/``warn``/``skip`` and a paragraph with the
+    numbers."""
 
     id: str
     status: str
     detail: str
 
     def __post_init__(self) -> None:
-        if self.id not in CHECK_IDS:
-            raise ValueError(f"id must be one of {CHECK_IDS}, got {self.id!r}")
+        if self.id not in KNOWN_IDS:
+            raise ValueError(f"id must be one of {KNOWN_IDS}, got {self.id!r}")
         if self.status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
 
@@ -51,7 +68,8 @@ class Report:
         for result in self.checks:
             if result.id == check_id:
                 return result
-        raise KeyError(f"no check {check_id!r} in this report; checks: {CHECK_IDS}")
+        ids = tuple(result.id for result in self.checks)
+        raise KeyError(f"no check {check_id!r} in this report; checks: {ids}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -100,7 +118,8 @@ def render(report: Report, console: Any) -> None:
         table.add_row(mark, f"[{style}]{result.id}[/]", escape(result.detail))
     console.print(table)
     counts = {s: sum(r.status == s for r in report.checks) for s in STATUSES}
+    warned = f", {counts['warn']} warned" if counts["warn"] else ""
     console.print(
-        f"  {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped "
+        f"  {counts['pass']} passed, {counts['fail']} failed{warned}, {counts['skip']} skipped "
         f"in {report.seconds:.2f} s"
     )

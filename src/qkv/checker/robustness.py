@@ -10,15 +10,11 @@ import torch
 from qkv.checker.compare import difference, tolerance
 from qkv.checker.context import BATCH, LENGTH, Context, gradients_of
 from qkv.checker.probe import padding_keep
-from qkv.checker.report import Result
-from qkv.checker.target import error_text
+from qkv.checker.report import Result, number
+from qkv.checker.target import Target, error_text
 
 DROPOUT_P = 0.5
 LOW = {torch.float16: 5e-3, torch.bfloat16: 4e-2}  # relative to float32: a few input roundings
-
-
-def _num(value: float) -> str:
-    return f"{value:.3g}"
 
 
 def batch(ctx: Context) -> Result:
@@ -30,8 +26,8 @@ def batch(ctx: Context) -> Result:
     apart = difference(alone, ctx.base.rows)
     moved = difference(other[0], ctx.base.rows[0])
     said = (
-        f"each item run alone differs from the batch by {_num(apart)}; changing item 1 "
-        f"changes item 0 by {_num(moved)}"
+        f"each item run alone differs from the batch by {number(apart)}; changing item 1 "
+        f"changes item 0 by {number(moved)}"
     )
     if max(apart, moved) > tolerance(ctx.base.rows):
         return Result(
@@ -48,19 +44,24 @@ def dropout(ctx: Context) -> Result:
         return Result(
             "dropout",
             "fail",
-            f"in eval mode two calls on the same input differ by "
-            f"{_num(ctx.eval_noise)}: dropout runs in eval mode. Use nn.Dropout (it "
-            "follows .eval()) or F.dropout(..., training=self.training)",
+            _in_eval(f"two calls on the same input differ by {number(ctx.eval_noise)}"),
         )
     said = "two eval-mode calls agree exactly"
     target = ctx.target
     if target.module is None:
         return Result("dropout", "pass", f"{said} (a function has no train mode)")
-    trained = target
-    if target.dropout_init is not None:
-        trained = target.variant(**{target.dropout_init: DROPOUT_P}) or target
+    trained, rate = _with_dropout(target)
     module = trained.module
     assert module is not None
+    if trained is not target:  # the checks ran with dropout 0; the author's layer drops
+        module.eval()
+        with torch.no_grad():
+            noise = difference(trained.call(ctx.inputs).rows, trained.call(ctx.inputs).rows)
+        if noise > 0:
+            return Result(
+                "dropout", "fail", _in_eval(f"with {rate}, two calls differ by {number(noise)}")
+            )
+        said += f", with {rate} too"
     module.train()
     try:
         with torch.no_grad():
@@ -70,20 +71,42 @@ def dropout(ctx: Context) -> Result:
         module.eval()
     changed = difference(first, second)
     if changed > 0:
-        p = f" with {target.dropout_init}={DROPOUT_P}" if trained is not target else ""
+        p = f" with {rate}" if trained is not target else ""
         return Result(
             "dropout",
             "pass",
-            f"{said}; in train mode{p} two calls differ by {_num(changed)}: it drops",
+            f"{said}; in train mode{p} two calls differ by {number(changed)}: it drops",
         )
     if trained is not target and target.config_param is None:
         return Result(
             "dropout",
             "fail",
-            f"{said}, but with {target.dropout_init}={DROPOUT_P} "
-            "two train-mode calls agree too: the dropout is never applied",
+            f"{said}, but with {rate} two train-mode calls agree too: the dropout is never applied",
         )
     return Result("dropout", "pass", f"{said}; no dropout in train mode either (p = 0 or none)")
+
+
+def _in_eval(said: str) -> str:
+    return (
+        f"in eval mode {said}: dropout runs in eval mode. Use nn.Dropout (it follows .eval()) "
+        "or F.dropout(..., training=self.training)"
+    )
+
+
+def _with_dropout(target: Target) -> tuple[Target, str]:
+    """The target built as its author uses it: with its own default dropout rate when that is
+    not 0 (the checks build it with 0), else with ``DROPOUT_P``; the target itself when it
+    takes no rate."""
+    name = target.dropout_init
+    variant = None
+    if name is not None:
+        default = target.dropout_default
+        rate = default if default else DROPOUT_P
+        variant = target.variant(**{name: rate})
+    if name is None or variant is None:
+        return target, ""
+    why = "its default" if target.dropout_default else "a trial rate"
+    return variant, f"{name}={rate} ({why})"
 
 
 def _empty_hint(error: Exception) -> str:
@@ -166,11 +189,11 @@ def dtypes(ctx: Context) -> Result:
                     "dtypes",
                     "fail",
                     f"{dtype} ({name}) differs from float32 by "
-                    f"{_num(miss)} (allowed {_num(limit)}); compute scores and softmax "
+                    f"{number(miss)} (allowed {number(limit)}); compute scores and softmax "
                     "in float32",
                 )
             worst = max(worst, miss)
-        found.append(f"{dtype} within {_num(worst)} of float32")
+        found.append(f"{dtype} within {number(worst)} of float32")
     return Result("dtypes", "pass", "; ".join(found) + " (finite)")
 
 
@@ -199,5 +222,5 @@ def gradients(ctx: Context) -> Result:
         "gradients",
         "pass",
         f"backward ({runs}) gives finite gradients to {count} tensors "
-        f"(inputs and parameters; largest |∂| {_num(largest)})",
+        f"(inputs and parameters; largest |∂| {number(largest)})",
     )

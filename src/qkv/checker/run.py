@@ -21,6 +21,8 @@ from torch import nn
 
 from qkv.checker import checks, robustness
 from qkv.checker.context import Context, build, describe
+from qkv.checker.flash_run import check_flash
+from qkv.checker.flash_target import flash_target
 from qkv.checker.report import Report, Result
 from qkv.checker.target import (
     CheckError,
@@ -97,6 +99,7 @@ def check(
     heads: int | None = None,
     name: str | None = None,
     device: str | torch.device | None = None,
+    flash: bool = False,
 ) -> Report:
     """Grade a self-attention implementation against qkv's contract; see ``docs/check.md``.
 
@@ -111,8 +114,22 @@ def check(
     inputs are made on the CPU and moved, outputs come back to the CPU to be compared. Returns a
     ``Report``; ``report.ok`` is False when a check fails. Raises ``CheckError`` when the
     implementation cannot be run at all.
+
+    ``flash=True`` grades a flash attention instead: a function or ``torch.autograd.Function``
+    ``f(q, k, v[, causal])`` returning ``out`` or ``(out, lse)``, against float64 in output, lse
+    and gradients, at odd lengths, Lq ≠ Lk and low precision, and for linear memory and skipped
+    causal work (``FLASH_CHECK_IDS``).
     """
     start = time.perf_counter()
+    if flash:
+        if init or heads is not None:
+            raise CheckError("init and heads apply to modules; --flash checks a function")
+        label = name or getattr(obj, "__qualname__", None) or type(obj).__name__
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            report = check_flash(flash_target(obj, label, dict(forward or {}), _device(device)))
+        report.seconds = time.perf_counter() - start
+        return report
     with torch.random.fork_rng():
         torch.manual_seed(0)
         target = target_of(obj, init=init, forward=forward, heads=heads, name=name, device=device)
@@ -230,5 +247,5 @@ def load(spec: str) -> Any:
 
 def _checkable(value: Any) -> bool:
     if isinstance(value, type):
-        return issubclass(value, nn.Module)
+        return issubclass(value, nn.Module | torch.autograd.Function)
     return inspect.isfunction(value) or isinstance(value, nn.Module)

@@ -25,7 +25,9 @@ WIDTH_NAMES = (
     "embed_dim", "d_model", "hidden_dim", "hidden_size", "dim", "d_in", "n_embd", "emb_dim",
     "embedding_dim", "model_dim", "input_dim", "in_dim", "d",
 )  # fmt: skip
-OUT_NAMES = ("d_out", "out_dim", "output_dim", "d_v")
+OUT_NAMES = ("d_out", "out_dim", "output_dim")
+KEY_NAMES = ("d_k", "k_dim", "key_dim", "dim_k", "d_key", "qk_dim")
+VALUE_NAMES = ("d_v", "v_dim", "value_dim", "dim_v", "d_value")
 HEAD_NAMES = ("num_heads", "n_heads", "heads", "n_head", "nhead", "num_attention_heads", "h")
 DROPOUT_NAMES = (
     "dropout", "dropout_rate", "p", "attn_dropout", "attn_pdrop", "dropout_p",
@@ -44,6 +46,8 @@ CONFIG_NAMES = ("config", "cfg", "args", "params", "hparams")
 BOOL_NAMES = ("bias", "qkv_bias", "use_bias")
 
 D_MODEL, HEADS, D_OUT, MAX_LENGTH = 32, 4, 24, 64
+# The value width of the probe that tells a scale by √Dv from one by √Dk: a width no other size has.
+D_VALUE = 16
 
 
 class CheckError(Exception):
@@ -87,6 +91,8 @@ class Target:
     mask_param: str | None = None
     weights_param: str | None = None
     dropout_init: str | None = None
+    dropout_default: float | None = None  # the constructor's own default for it
+    value_init: str | None = None  # a constructor argument for the value width (Dv ≠ Dk)
     config_param: str | None = None  # nanoGPT style: the one constructor argument is a config
     forward: dict[str, Any] = field(default_factory=dict)
     query_key_value: bool = False  # forward(query, key, value): x is passed three times
@@ -117,17 +123,21 @@ class Target:
             return self
         return replace(self, impl=copy.deepcopy(module).to(dtype))
 
-    def inputs(self, batch: int, length: int, *, seed: int = 0) -> Inputs:
+    def inputs(
+        self, batch: int, length: int, *, seed: int = 0, value_width: int | None = None
+    ) -> Inputs:
+        """x (B, L, E) for a module; q, k, v for a function, v ``value_width`` wide if given."""
         generator = torch.Generator().manual_seed(seed)
         if self.kind == "module":
             shape: tuple[int, ...] = (batch, length, self.width)
             return Inputs((torch.randn(shape, generator=generator),), seq_dim=1)
+        shape = (batch, length, self.width)
         if self.layout == "BHLD":
             shape = (batch, self.heads or 1, length, self.width)
-            tensors = tuple(torch.randn(shape, generator=generator) for _ in range(3))
-            return Inputs(tensors, seq_dim=2)
-        shape = (batch, length, self.width)
-        return Inputs(tuple(torch.randn(shape, generator=generator) for _ in range(3)), seq_dim=1)
+        value_shape = (*shape[:-1], value_width or self.width)
+        q, k = (torch.randn(shape, generator=generator) for _ in range(2))
+        v = torch.randn(value_shape, generator=generator)
+        return Inputs((q, k, v), seq_dim=len(shape) - 2)
 
     def call(
         self,
@@ -259,6 +269,8 @@ def _init_kwargs(params: Mapping[str, inspect.Parameter], given: dict[str, Any])
     for names, value in (
         (WIDTH_NAMES, D_MODEL),
         (OUT_NAMES, D_OUT),
+        (KEY_NAMES, D_OUT),
+        (VALUE_NAMES, D_OUT),
         (HEAD_NAMES, HEADS),
         (DROPOUT_NAMES, 0.0),
         (LENGTH_NAMES, MAX_LENGTH),
@@ -321,6 +333,7 @@ def from_class(
     is_config = isinstance(config, types.SimpleNamespace)
     values = vars(config) if is_config else kwargs
     width = next((values[n] for n in WIDTH_NAMES if n in values), None)
+    dropout = _first(DROPOUT_NAMES, values if is_config else params)
     torch.manual_seed(0)
     built = factory(kwargs).to(device or torch.device("cpu"))
     target = from_module(built, name, forward, width=width, device=device)
@@ -332,8 +345,17 @@ def from_class(
         factory=factory,
         config_param=_first(CONFIG_NAMES, params) if is_config else None,
         causal_init=None if is_config else _first(CAUSAL_NAMES, params),
-        dropout_init=_first(DROPOUT_NAMES, values if is_config else params),
+        dropout_init=dropout,
+        dropout_default=_default_rate(params.get(dropout or "")),
+        value_init=None if is_config else _first(VALUE_NAMES, params),
     )
+
+
+def _default_rate(param: inspect.Parameter | None) -> float | None:
+    """A constructor's default dropout rate, when it has a numeric one."""
+    if param is None or isinstance(param.default, bool):
+        return None
+    return float(param.default) if isinstance(param.default, int | float) else None
 
 
 def from_function(

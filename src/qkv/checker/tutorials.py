@@ -22,6 +22,7 @@ class Example:
     name: str
     fails: frozenset[str]
     defect: str
+    flash: bool = False  # graded by qkv check --flash
 
 
 EXAMPLES = (
@@ -56,6 +57,14 @@ EXAMPLES = (
     Example("corrected.py", "attend", frozenset(), "none (001 corrected)"),
     Example("corrected.py", "SelfAttentionV3", frozenset(), "none (003 corrected)"),
     Example("corrected.py", "SelfAttention", frozenset(), "none (004 corrected)"),
+    Example("flash_attention.py", "FlashAttention", frozenset(), "none", flash=True),
+    Example(
+        "flash_attention_no_rescale.py",
+        "FlashAttention",
+        frozenset({"oracle", "lse", "backward"}),
+        "the running sum is not rescaled when the maximum grows",
+        flash=True,
+    ),
 )
 
 
@@ -69,7 +78,7 @@ def example(file: str, name: str) -> Example:
 
 def check_example(example: Example, folder: Path = FOLDER) -> Report:
     spec = f"{folder / example.file}:{example.name}"
-    return check(load(spec), name=f"{example.file}:{example.name}")
+    return check(load(spec), name=f"{example.file}:{example.name}", flash=example.flash)
 
 
 def run_examples(console: Any, folder: Path = FOLDER) -> int:
