@@ -178,8 +178,9 @@ def _cross_compiler() -> str | None:
 
 @pytest.mark.skipif(_cross_compiler() is None, reason="no aarch64-linux-gnu-g++ installed")
 def test_the_source_compiles_for_aarch64() -> None:
-    """The kernel's one source for ARM (NEON through ATen's vectors): a syntax-only compile
-    against torch's headers, as torch's extension builder would compile it there."""
+    """The kernel's source (flash_cpu.cpp and the headers it includes) for ARM (NEON through
+    ATen's vectors): a syntax-only compile against torch's headers, as torch's extension builder
+    would compile it there."""
     torch_include = Path(torch.__file__).parent / "include"
     command = [
         str(_cross_compiler()),
@@ -196,6 +197,24 @@ def test_the_source_compiles_for_aarch64() -> None:
     ]
     run = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
+
+
+def test_the_build_is_named_after_every_source_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An edit to any C++ file or header of the kernel gives its build a new name (no stale build
+    is loaded), and the same files always give the same name."""
+    for path in kernel.SOURCE.parent.iterdir():
+        if path.suffix in (".cpp", ".h"):
+            shutil.copy(path, tmp_path / path.name)
+    monkeypatch.setattr(kernel, "SOURCE", tmp_path / kernel.SOURCE.name)
+    files = sorted(path for path in tmp_path.iterdir() if path.suffix in (".cpp", ".h"))
+    assert len(files) > 1 and kernel._source_id() == kernel._source_id()
+    names = {kernel._source_id()}
+    for path in files:
+        path.write_text(path.read_text() + "\n")
+        names.add(kernel._source_id())
+    assert len(names) == len(files) + 1
 
 
 # (name, q shape, k shape, keyword arguments): every score rule the compiled backward takes, with

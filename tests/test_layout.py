@@ -1,11 +1,13 @@
 """The layout stays readable: no import cycles, the core never imports the pictures, and no file or
 function grows past the size where it starts to hold two jobs (STYLE.md; a function's docstring
-is not counted)."""
+is not counted). The compiled kernel's C++ is held to the same file size and to functions of at
+most 80 lines (its comments and blank lines included)."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -13,6 +15,8 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "qkv"
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 60
+MAX_CPP_FUNCTION_LINES = 80
+CPP_FILES = sorted(path for path in PACKAGE.rglob("*") if path.suffix in (".cpp", ".h"))
 # The core: what ``import qkv`` and ``qkv.attention`` load. Pictures (viz) depend on it, never
 # the other way round.
 CORE = ("qkv.functional", "qkv.canonical", "qkv.trace", "qkv.observers", "qkv.modules", "qkv.cache")
@@ -134,3 +138,114 @@ def test_files_and_functions_stay_small(name: str) -> None:
         and _code_lines(node) > MAX_FUNCTION_LINES
     }
     assert not too_long, f"{name}: functions over {MAX_FUNCTION_LINES} lines: {too_long}"
+
+
+# What the C++ counter blanks out before it matches braces (a brace inside them is no brace):
+# comments, string and character literals (not a digit separator: 1'000) and preprocessor lines
+# with their continuations. (Raw string literals are not read.)
+_CPP_NOISE = re.compile(
+    r"""
+      //[^\n]*
+    | /\*.*?\*/
+    | "(?:\\.|[^"\\\n])*"
+    | (?<![\w'])'(?:\\.|[^'\\\n])+'
+    | ^[ \t]*\#(?:\\\n|[^\n])*
+    """,
+    re.DOTALL | re.MULTILINE | re.VERBOSE,
+)
+_CPP_PUNCTUATION = re.compile(r"[;{}]")
+# A declaration whose brace opens a scope of declarations (not a body): a namespace, a class.
+_CPP_SCOPE = re.compile(r"^\s*(?:template\s*<[^{}]*>\s*)?(?:namespace|struct|class|union|extern)\b")
+# A declaration whose brace opens a function's body: it ends with the parameters' ")", then
+# perhaps qualifiers, a trailing return type or a constructor's initialisers.
+_CPP_FUNCTION = re.compile(r"\)\s*(?:const|noexcept|override|final|->[^;{}]*|:[^;{}]*)*\s*$")
+
+
+def _blank(match: re.Match[str]) -> str:
+    return re.sub(r"[^\n]", " ", match.group())
+
+
+def _cpp_function_lines(source: str) -> dict[str, int]:
+    """The C++ functions of ``source`` (at namespace scope or in a class), each as
+    ``name:line`` with its lines from its declaration's first line (``template <…>`` included) to
+    its closing brace. Braces inside a body (blocks, lambdas, initialisers) belong to it."""
+    code = _CPP_NOISE.sub(_blank, source)
+    found: dict[str, int] = {}
+    start = 0  # where the current declaration begins: after the last ';', '{' or '}' read
+    position = 0
+    while (match := _CPP_PUNCTUATION.search(code, position)) is not None:
+        position = match.end()
+        declaration = code[start : match.start()]
+        if match.group() != "{" or (
+            _CPP_SCOPE.search(declaration) and not _CPP_FUNCTION.search(declaration)
+        ):
+            start = position  # the next declaration, in this scope or the one just opened
+            continue
+        end = _closing_brace(code, match.start())
+        if _CPP_FUNCTION.search(declaration):  # else an enum's or an initialiser's braces
+            first = start + len(declaration) - len(declaration.lstrip())
+            names = re.findall(r"(operator\s*\S+?|~?\w+)\s*\(", declaration)
+            line = code.count("\n", 0, first) + 1
+            found[f"{names[0] if names else 'lambda'}:{line}"] = code.count("\n", first, end) + 1
+        start = position = end + 1
+    return found
+
+
+def _closing_brace(code: str, opening: int) -> int:
+    depth = 0
+    for index in range(opening, len(code)):
+        depth += {"{": 1, "}": -1}.get(code[index], 0)
+        if depth == 0:
+            return index
+    raise AssertionError(f"unbalanced braces from offset {opening}")
+
+
+def test_the_cpp_counter_finds_each_function_and_its_length() -> None:
+    source = """#include <vector>  // {
+#define BRACE(x) { \\
+  x }
+namespace {
+constexpr float kTable[] = {1.f, 2.f};
+/* not a function() { */
+template <typename T>
+struct Holder {
+  T value;
+  int get() const { return value; }
+  Holder(int x) : value(x) {}
+};
+enum class Kind : int { kA = 0 };
+template <int N>
+inline std::vector<int> make(int n,
+                             char c = '{') {
+  const char* text = "}";
+  auto twice = [](int x) { return 2 * x; };
+  if (n) { return {twice(n)}; }
+  return {};
+}
+}  // namespace
+PYBIND11_MODULE(name, module) {
+  module.def("make", &make<1>);
+}
+"""
+    assert _cpp_function_lines(source) == {
+        "get:10": 1,
+        "Holder:11": 1,
+        "make:14": 8,
+        "PYBIND11_MODULE:23": 3,
+    }
+
+
+def test_the_cpp_counter_reads_the_kernel() -> None:
+    functions = set()
+    for path in CPP_FILES:
+        functions.update(name.split(":")[0] for name in _cpp_function_lines(path.read_text()))
+    assert {"forward", "backward", "decode", "decode_step", "PYBIND11_MODULE"} <= functions
+
+
+@pytest.mark.parametrize("path", CPP_FILES, ids=lambda path: path.name)
+def test_cpp_files_and_functions_stay_small(path: pathlib.Path) -> None:
+    source = path.read_text()
+    assert source.count("\n") <= MAX_FILE_LINES, f"{path.name}: over {MAX_FILE_LINES} lines"
+    lengths = _cpp_function_lines(source)
+    too_long = {name: n for name, n in lengths.items() if n > MAX_CPP_FUNCTION_LINES}
+    assert not too_long, f"{path.name}: functions over {MAX_CPP_FUNCTION_LINES} lines: {too_long}"

@@ -26,13 +26,14 @@ instruction set:
 - ``avx2``: AVX2, FMA and F16C, 256-bit vectors: what a CPU without AVX-512 runs, built and
   measured on one that has it.
 
-The cached build is named after the ISA, the CPU's feature flags and the source's hash, so a
-cache shared by different machines or different versions of qkv never hands one a build for
-another's instruction set or another's source. Where it cannot be built (or another process's
-build outlasts the wait), qkv warns once, naming the build folder; flash then runs its PyTorch
-loop, which computes the same thing more slowly, and ``"auto"`` picks torch's kernel instead.
-``QKV_FLASH_KERNEL=0`` (or ``ENABLED = False``) skips the kernel without trying.
-``build_info()`` says what was built.
+The kernel is one translation unit: ``flash_cpu.cpp`` includes the headers beside it, one job
+each (its opening comment lists them). The cached build is named after the ISA, the CPU's feature
+flags and the hash of the source (every C++ file and header), so a cache shared by different
+machines or different versions of qkv never hands one a build for another's instruction set or
+another's source. Where it cannot be built (or another process's build outlasts the wait), qkv
+warns once, naming the build folder; flash then runs its PyTorch loop, which computes the same
+thing more slowly, and ``"auto"`` picks torch's kernel instead. ``QKV_FLASH_KERNEL=0`` (or
+``ENABLED = False``) skips the kernel without trying. ``build_info()`` says what was built.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ ISAS = ("native", "avx512", "avx2")
 GEMM = os.environ.get("QKV_FLASH_GEMM", "auto")
 PRODUCTS = ("tiles", "brgemm", "blas")
 
+# The kernel's one translation unit, which includes the headers beside it.
 SOURCE = Path(__file__).with_name("flash_cpu.cpp")
 _COMMON_FLAGS = ["-O3", "-fopenmp"]
 # ATen's vector headers pick their width from CPU_CAPABILITY_* (as torch's own kernels are
@@ -141,10 +143,10 @@ def build(isa: str) -> ModuleType:
     ValueError for an ISA this CPU cannot run or a setting that means nothing, a ``BuildError``
     (naming the build folder) for a failed build or for another process's build that did not
     end within ``QKV_BUILD_TIMEOUT``."""
+    flags = capability_flags(isa)
+    _check_cpu_runs(isa)  # (also for a build already loaded: the question is this CPU's)
     module = _loaded.get(isa)
     if module is None:
-        flags = capability_flags(isa)
-        _check_cpu_runs(isa)
         module = _loaded[isa] = compile_extension(
             _extension_name(isa),
             SOURCE,
@@ -248,10 +250,22 @@ def _extension_name(isa: str) -> str:
     return f"qkv_flash_cpu_{isa}_{_cpu_id()}_{_source_id()}"
 
 
+def _source_files() -> list[Path]:
+    """Every file of the kernel's source: the C++ files and headers of ``SOURCE``'s folder, in
+    a fixed order (by name)."""
+    folder = SOURCE.parent
+    return sorted([*folder.glob("*.cpp"), *folder.glob("*.h")], key=lambda path: path.name)
+
+
 def _source_id() -> str:
-    """A short hash of the kernel's source: builds of different versions (another checkout of
-    qkv sharing the cache) never take each other's place, so none loads a stale build."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    """A short hash of the kernel's source, every file of it (names and contents): builds of
+    different versions (another checkout of qkv sharing the cache) never take each other's
+    place, so none loads a stale build."""
+    digest = hashlib.sha256()
+    for path in _source_files():
+        digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _cpu_id() -> str:

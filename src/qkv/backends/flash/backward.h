@@ -1,0 +1,185 @@
+// The backward pass of the forward pass (forward.h), float32 (the caller widens other dtypes), for
+// the keys given: with P = exp(s · scale − lse) recomputed per tile from the saved lse (the final
+// one, over all keys), dP = dO · Vᵀ, delta = Σ_e dO · O (per row) and dS = P ∘ (dP − delta):
+//
+//     dV += Pᵀ · dO        dK += scale · dSᵀ · Q        dQ += scale · dS · K
+//
+// Deterministic, without atomics: each task owns one key/value head (and its query heads) and
+// a contiguous share of its query blocks, and sums into its own dK and dV, in a fixed order;
+// where there are fewer heads than threads, a head's query blocks are split into parts whose
+// dK and dV are added up in order at the end. Rows with lse = −inf (no key) get P = 0.
+// With the forward's rules: each row only its keys [lo, hi) (key blocks no row of a query block
+// may see are skipped), and soft-capped or ALiBi scores recomputed as the forward pass made them
+// (rule_gradients), with ALiBi's slopes' gradient. The products run on the kernel's own tiles.
+
+#pragma once
+
+#include "layout.h"
+#include "products.h"
+#include "row_math.h"
+#include "rules.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// One query block of one task: rows q0 … q0 + rows − 1 of query head `head`, summing into its
+// task's dk (S, D) and dv (S, Dv) of the head's key/value head.
+struct GradientBlock {
+  int64_t head, q0, rows;
+  float* dk;
+  float* dv;
+};
+
+// What one thread works its tasks in: a block's weights P and score gradients dS (Bq, Bk), its
+// dQ (Bq, D), and the task's head's kᵀ and vᵀ in panels (packed per task: a head at a time, not
+// all heads).
+struct BackwardScratch {
+  Scratch<float> weights, grads, dq_block, key_panels, value_panels;
+
+  BackwardScratch(int64_t S, int64_t D, int64_t Dv)
+      : weights(kQueryBlock * kScoreStride), grads(kQueryBlock * kScoreStride),
+        dq_block(kQueryBlock * D), key_panels((S + kPanel - 1) / kPanel * kPanel * D),
+        value_panels((S + kPanel - 1) / kPanel * kPanel * Dv) {}
+};
+
+// One call's backward pass, a task (a part of one key/value head's query blocks) at a time. Its
+// functions are the parts of one loop, split to be read: always inlined (ForwardPass says why).
+struct BackwardPass {
+  const float *q, *k, *v, *dout;  // (NG, Lq, D), (N, S, D), (N, S, Dv), (NG, Lq, Dv)
+  const float *lse2, *delta;      // (NG, Lq): lse in base 2 (+inf: no key), Σ_e dO · O
+  int64_t NG, Lq, D, N, S, Dv, parts;
+  const CallRules& call;
+  float* dq;            // (NG, Lq, D)
+  float* dk_parts;      // (parts, N, S, D)
+  float* dv_parts;      // (parts, N, S, Dv)
+  float* dslope_parts;  // (parts, NG) where the call has ALiBi slopes
+
+  // Task `task`: part task % parts of key/value head task / parts, a contiguous share of its
+  // query blocks for each of its query heads, summing into that part's dK and dV.
+  [[gnu::always_inline]]
+  void run(int64_t task, BackwardScratch& scratch) const {
+    const int64_t kv = task / parts, part = task % parts, g = NG / N;
+    const int64_t query_blocks = (Lq + kQueryBlock - 1) / kQueryBlock;
+    pack_transposed(k + kv * S * D, S, D, scratch.key_panels.data());
+    pack_transposed(v + kv * S * Dv, S, Dv, scratch.value_panels.data());
+    const int64_t first = query_blocks * part / parts, last = query_blocks * (part + 1) / parts;
+    float* dk_head = dk_parts + (part * N + kv) * S * D;
+    float* dv_head = dv_parts + (part * N + kv) * S * Dv;
+    for (int64_t head = kv * g; head < (kv + 1) * g; ++head) {
+      double distance_sum = 0.0;  // −dL/d slope of this head over this task's rows
+      for (int64_t i = first; i < last; ++i) {
+        const int64_t q0 = i * kQueryBlock;
+        const GradientBlock block{head, q0, std::min(kQueryBlock, Lq - q0), dk_head, dv_head};
+        query_block(block, k + kv * S * D, distance_sum, scratch);
+      }
+      if (call.scores.slopes != nullptr) {
+        dslope_parts[part * NG + head] = static_cast<float>(-distance_sum);
+      }
+    }
+  }
+
+  // One query block's gradients over the keys its rows may see (keys: its head's (S, D)): dQ
+  // written, dK and dV added to, the slope's gradient (negated) to distance_sum.
+  [[gnu::always_inline]]
+  void query_block(const GradientBlock& block, const float* keys, double& distance_sum,
+                   BackwardScratch& scratch) const {
+    const int64_t rows = block.rows;
+    const float* q_block = q + (block.head * Lq + block.q0) * D;
+    const float* dout_block = dout + (block.head * Lq + block.q0) * Dv;
+    const float *kp = scratch.key_panels.data(), *vp = scratch.value_panels.data();
+    float *p = scratch.weights.data(), *ds = scratch.grads.data();
+    // Keys this block's rows may see (key blocks outside are skipped), from a whole panel.
+    const auto [keys_begin, keys_end] = call.keys.span(block.head, block.q0, block.q0 + rows - 1);
+    std::fill(scratch.dq_block.begin(), scratch.dq_block.end(), 0.f);
+    for (int64_t k0 = keys_begin / kPanel * kPanel; k0 < keys_end; k0 += kKeyBlock) {
+      const int64_t kn = std::min(kKeyBlock, keys_end - k0);
+      product_tiles({.M = rows, .N = kn, .K = D, .a = q_block, .lda = D, .step = 1,
+                     .b = kp + k0 * D, .ldb = kPanel, .panel_stride = D * kPanel, .c = p,
+                     .ldc = kScoreStride, .add = false});  // s = q · kᵀ
+      product_tiles({.M = rows, .N = kn, .K = Dv, .a = dout_block, .lda = Dv, .step = 1,
+                     .b = vp + k0 * Dv, .ldb = kPanel, .panel_stride = Dv * kPanel, .c = ds,
+                     .ldc = kScoreStride, .add = false});  // dP = dO · vᵀ
+      for (int64_t r = 0; r < rows; ++r) {
+        distance_sum += row_gradients(block, r, k0, kn, p + r * kScoreStride, ds + r * kScoreStride);
+      }
+      product_tiles({.M = kn, .N = Dv, .K = rows, .a = p, .lda = 1, .step = kScoreStride,
+                     .b = dout_block, .ldb = Dv, .panel_stride = kPanel, .c = block.dv + k0 * Dv,
+                     .ldc = Dv, .add = true});  // dV += Pᵀ · dO
+      product_tiles({.M = kn, .N = D, .K = rows, .a = ds, .lda = 1, .step = kScoreStride,
+                     .b = q_block, .ldb = D, .panel_stride = kPanel, .c = block.dk + k0 * D,
+                     .ldc = D, .add = true});  // dK += dSᵀ · q (scaled at the end)
+      product_tiles({.M = rows, .N = D, .K = kn, .a = ds, .lda = kScoreStride, .step = 1,
+                     .b = keys + k0 * D, .ldb = D, .panel_stride = kPanel,
+                     .c = scratch.dq_block.data(), .ldc = D, .add = true});  // dQ += dS · k
+    }
+    float* dq_rows = dq + (block.head * Lq + block.q0) * D;
+    for (int64_t e = 0; e < rows * D; ++e) dq_rows[e] = scratch.dq_block[e] * call.scale;
+  }
+
+  // Row r of the block against keys k0 … k0 + kn − 1, in place: its scores p become its weights,
+  // its dp its score gradients ds (both 0 for the keys it may not see). Returns its part of
+  // −dL/d slope (0 without ALiBi).
+  [[gnu::always_inline]]
+  float row_gradients(const GradientBlock& block, int64_t r, int64_t k0, int64_t kn, float* p,
+                      float* ds) const {
+    // Keys from … from + seen − 1 of this block row r may see; the rest get 0.
+    const int64_t i = block.q0 + r, row = block.head * Lq + i;
+    const auto [lo, hi] = call.keys.row(block.head, i);
+    const int64_t from = std::clamp<int64_t>(lo - k0, 0, kn);
+    const int64_t seen = std::max(from, std::clamp<int64_t>(hi - k0, 0, kn)) - from;
+    std::fill(p, p + from, 0.f);
+    std::fill(ds, ds + from, 0.f);
+    if (!call.scores.any()) {
+      tile_gradients(p + from, ds + from, seen, kn - from, call.exponent_scale(), lse2[row],
+                     delta[row]);
+      return 0.f;
+    }
+    const RowRules rule = call.row(block.head, i, k0 + from);
+    const float part = rule_gradients(p + from, ds + from, seen, rule, lse2[row], delta[row]);
+    std::fill(p + from + seen, p + kn, 0.f);
+    std::fill(ds + from + seen, ds + kn, 0.f);
+    return part;
+  }
+};
+
+// q (NG, Lq, D), k (N, S, D), v (N, S, Dv), out and dout (NG, Lq, Dv), lse (NG, Lq), contiguous
+// float32: returns dq, dk and dv (the shapes of q, k, v) and ALiBi's slopes' gradient (NG,)
+// (empty (0,) without slopes), float32.
+std::vector<at::Tensor> backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& out, const at::Tensor& dout,
+                                      const at::Tensor& lse, const CallRules& call) {
+  const int64_t NG = q.size(0), Lq = q.size(1), D = q.size(2);
+  const int64_t N = k.size(0), S = k.size(1), Dv = v.size(2);
+  const int64_t query_blocks = (Lq + kQueryBlock - 1) / kQueryBlock;
+  const at::Tensor delta = (dout * out).sum(-1).contiguous();  // (NG, Lq)
+  // In base 2, as the scores; +inf where there is no key, so that 2^(s · c − lse) = 0.
+  const at::Tensor lse2 = at::where(lse == kNegInf, -kNegInf, lse * kLog2E).contiguous();
+  // Parts per head: enough tasks for every thread, never more parts than query blocks.
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = std::clamp<int64_t>((threads + N - 1) / N, 1, std::max<int64_t>(1, query_blocks));
+  auto dq = at::empty({NG, Lq, D}, q.options());
+  auto dk_parts = at::zeros({parts, N, S, D}, k.options());
+  auto dv_parts = at::zeros({parts, N, S, Dv}, v.options());
+  auto dslope_parts = at::zeros({parts, call.scores.slopes == nullptr ? 0 : NG}, q.options());
+  const BackwardPass pass{q.const_data_ptr<float>(), k.const_data_ptr<float>(),
+                          v.const_data_ptr<float>(), dout.const_data_ptr<float>(),
+                          lse2.const_data_ptr<float>(), delta.const_data_ptr<float>(),
+                          NG, Lq, D, N, S, Dv, parts, call, dq.data_ptr<float>(),
+                          dk_parts.data_ptr<float>(), dv_parts.data_ptr<float>(),
+                          dslope_parts.data_ptr<float>()};
+  at::parallel_for(0, N * parts, 1, [&](int64_t begin, int64_t end) {
+    BackwardScratch scratch(S, D, Dv);
+    for (int64_t task = begin; task < end; ++task) pass.run(task, scratch);
+  });
+  at::Tensor dk = parts == 1 ? dk_parts[0] : dk_parts.sum(0);  // parts added up in order
+  at::Tensor dv = parts == 1 ? dv_parts[0] : dv_parts.sum(0);
+  return {dq, dk.mul_(call.scale), dv, dslope_parts.sum(0)};
+}
+
+}  // namespace
