@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from qkv import masks
+from qkv import logsumexp, masks
 from qkv.functional import attention
 from qkv.integrations import mask_rules, model_parts
 
@@ -197,11 +197,11 @@ def _with_row_sinks(
 ) -> list[torch.Tensor]:
     """Output (and weights) of attention with one sink logit per query row (a virtual key of
     value 0, as a per-token sink projection gives): the keys keep exp(lse) / (exp(lse) +
-    exp(sink)) = sigmoid(lse − sink) of the row's probability, the sink the rest. A row with no
+    exp(sink)) of the row's probability (``logsumexp.shares``), the sink the rest. A row with no
     key keeps nothing (lse = −inf): its output is 0."""
     if sinks.dim() == lse.dim() + 1 and sinks.shape[-1] == 1:
         sinks = sinks.squeeze(-1)
-    share = torch.sigmoid(lse - sinks.to(lse.dtype))  # (B, Hq, Lq)
+    _, share, _ = logsumexp.shares(lse, sinks.to(lse.dtype).expand_as(lse))  # (B, Hq, Lq)
     return [(part * share[..., None]).to(part.dtype) for part in parts]
 
 
