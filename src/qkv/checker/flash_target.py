@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qkv.checker.target import CAUSAL_NAMES, CheckError, error_text
+from qkv.checker.target import CAUSAL_NAMES, CheckError, error_text, parameters_of
 
 HEAD = 32  # Dk (and Dv) of every probe but the one that makes Dv ≠ Dk
 
@@ -163,7 +163,7 @@ def flash_target(
 ) -> FlashTarget:
     """A function, an ``autograd.Function`` subclass, or a function of no arguments that returns
     one (the form of CS336's adapters), as a ``FlashTarget`` whose layout works."""
-    if inspect.isfunction(obj) and not _parameters(obj, 0):
+    if inspect.isfunction(obj) and not parameters_of(obj, 0):
         try:
             made = obj()
         except Exception as error:  # the user's code: any failure is reported
@@ -181,7 +181,7 @@ def flash_target(
         )
     if isinstance(obj, type) and issubclass(obj, torch.autograd.Function):
         skip = 3 if _overrides(obj, "setup_context") else 4  # the old form's ctx comes first
-        params = _parameters(obj.forward, skip)
+        params = parameters_of(obj.forward, skip)
         target = FlashTarget(
             name,
             "autograd.Function",
@@ -194,7 +194,7 @@ def flash_target(
         )
         _check_positional(target, params)
     elif callable(obj) and not isinstance(obj, type):
-        params = _parameters(obj, 3)
+        params = parameters_of(obj, 3)
         causal = _causal(params, forward)
         target = FlashTarget(
             name, "function", obj, causal_param=causal, forward=forward, device=where
@@ -210,14 +210,6 @@ def flash_target(
 def _overrides(cls: type, name: str) -> bool:
     own = [base for base in cls.__mro__ if not base.__module__.startswith("torch")]
     return any(name in vars(base) for base in own)
-
-
-def _parameters(fn: Any, skip: int) -> dict[str, inspect.Parameter]:
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return {}
-    return {p.name: p for p in params[skip:] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
 
 def _causal(params: dict[str, inspect.Parameter], forward: dict[str, Any]) -> str | None:

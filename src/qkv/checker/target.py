@@ -203,7 +203,8 @@ def _first(names: tuple[str, ...], present: Mapping[str, Any]) -> str | None:
     return next((name for name in names if name in present), None)
 
 
-def _forward_params(fn: Any, skip: int) -> dict[str, inspect.Parameter]:
+def parameters_of(fn: Any, skip: int) -> dict[str, inspect.Parameter]:
+    """``fn``'s named parameters after the first ``skip`` (no *args/**kwargs); {} if unknown."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
@@ -253,7 +254,7 @@ def from_module(
             )
         width = first.in_features
     heads = _attribute(module, HEAD_NAMES)
-    every = _forward_params(module.forward, skip=0)
+    every = parameters_of(module.forward, skip=0)
     required = [p for p in every.values() if p.default is p.empty and p.name not in forward]
     query_key_value = len(required) >= 3  # forward(query, key, value, ...)
     params = dict(list(every.items())[3 if query_key_value else 1 :])
@@ -309,7 +310,7 @@ def from_class(
     device: torch.device | None = None,
 ) -> Target:
     """Build the module from its constructor's parameter names."""
-    params = _forward_params(cls.__init__, skip=1)
+    params = parameters_of(cls.__init__, skip=1)
     kwargs = _init_kwargs(params, init)
     missing = [p.name for p in params.values() if p.default is p.empty and p.name not in kwargs]
     if missing:
@@ -365,7 +366,7 @@ def from_function(
     device: torch.device | None = None,
 ) -> Target:
     """``f(q, k, v, ...)``: tried on (B, H, L, D) first, then on (B, L, D)."""
-    params = _forward_params(fn, skip=3)
+    params = parameters_of(fn, skip=3)
     bare = Target(name, "function", fn, D_MODEL // HEADS, HEADS, None)
     target = _with_params(replace(bare, device=device or torch.device("cpu")), params, forward)
     errors = []
