@@ -25,7 +25,6 @@ from oracle import TOLERANCE, oracle
 
 import qkv
 from qkv.backends.flash import kernel, loop
-from qkv.backends.flash.rules import Rules, kernel_ranges
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -53,7 +52,7 @@ path = sys.argv[1]
 saved = torch.load(path)
 info = kernel.build_info()
 compiled, calls, results = kernel.backward, [], []
-kernel.backward = lambda *a: calls.append(1) or compiled(*a)
+kernel.backward = lambda *a, **kw: calls.append(1) or compiled(*a, **kw)
 for (q, k, v, grad_out), causal in zip(saved["inputs"], saved["causal"]):
     assert kernel.takes(q, k, v), "the kernel does not take this call"
     leaves = [x.requires_grad_() for x in (q, k, v)]
@@ -163,7 +162,7 @@ def test_the_compiled_backward_matches_float64(
         pytest.skip("the compiled kernel is switched off or cannot be built here")
     _, q_shape, k_shape, v_shape, rule = case
     compiled, calls = kernel.backward, []
-    monkeypatch.setattr(kernel, "backward", lambda *a: calls.append(1) or compiled(*a))
+    monkeypatch.setattr(kernel, "backward", lambda *a, **kw: calls.append(1) or compiled(*a, **kw))
     q, k, v = (torch.randn(s).to(dtype).requires_grad_() for s in (q_shape, k_shape, v_shape))
     out = qkv.attention(q, k, v, causal=rule, backend="flash")
     grad_out = torch.randn(out.shape).to(dtype)
@@ -273,7 +272,7 @@ def test_the_compiled_backward_takes_every_score_rule(
     if kernel.load() is None:
         pytest.skip("the compiled kernel is switched off or cannot be built here")
     compiled, calls = kernel.backward, []
-    monkeypatch.setattr(kernel, "backward", lambda *a: calls.append(1) or compiled(*a))
+    monkeypatch.setattr(kernel, "backward", lambda *a, **kw: calls.append(1) or compiled(*a, **kw))
     monkeypatch.setattr(loop, "backward_all", None)  # the loop's backward must not run
     leaves, kwargs = _rule_arguments(case, dtype)
     names = [n for n in ("alibi_slopes", "sinks") if n in kwargs]
@@ -312,8 +311,7 @@ def test_the_compiled_backward_is_deterministic(with_rules: bool) -> None:
     k, v = k[:, :1], v[:, :1]
     rules: tuple[Any, ...] = ()
     if with_rules:
-        ranges = kernel_ranges(Rules(window_offset=-200), 0, (1,), 4, 700, 700)
-        rules = (ranges, 5.0, torch.rand(4))
+        rules = (-200, None, 5.0, torch.rand(4))  # window offset, no segments, softcap, slopes
     forward = kernel.forward(q, k, v, 0.2, 0, *rules)
     assert forward is not None, "the kernel does not take this call"
     out, lse = forward

@@ -451,7 +451,7 @@ def test_the_compiled_kernel_takes_every_argument_but_segments_in_pieces() -> No
         assert flash.runs_compiled(built) == expected, extra
         assert flash.differentiates_compiled(built) == expected, extra  # the same rules
     lse_call, _ = canonical_call(q, k, v, **plain, backend="flash", return_lse=True)
-    assert not flash.differentiates_compiled(lse_call)  # lse's gradient: the loop
+    assert flash.differentiates_compiled(lse_call) == flash_kernel.takes(q, k, v)  # (lse too)
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 
 from qkv import _checks, masks
-from qkv.backends.base import Call, default_scale
+from qkv.backends.base import NO_RULES, Call, Rules, default_scale
 from qkv.backends.dispatch import NAMES
 
 Causal = bool | Literal["bottom-right", "top-left"]
@@ -70,13 +70,17 @@ def canonical_call(
     plain = softcap is None and sinks is None and alibi_slopes is None and window is None
     if plain and segments is None and return_lse is False:  # the common call: nothing more
         return call, squeeze_head
-    extras = _extras(
-        call, batch, causal, softcap, sinks, alibi_slopes, window, segments, return_lse
+    rules, causal_offset = _rules(
+        call, batch, causal, softcap, sinks, alibi_slopes, window, segments
     )
-    return dataclasses.replace(call, **extras), squeeze_head
+    return_lse = _checks.boolean("return_lse", return_lse)
+    call = dataclasses.replace(
+        call, rules=rules, causal_offset=causal_offset, return_lse=return_lse
+    )
+    return call, squeeze_head
 
 
-def _extras(
+def _rules(
     call: Call,
     batch: tuple[int, ...],
     causal: Any,
@@ -85,29 +89,33 @@ def _extras(
     alibi_slopes: Any,
     window: Any,
     segments: Any,
-    return_lse: Any,
-) -> dict[str, Any]:
-    """The checked softcap, sinks, ALiBi slopes, window and segments of a call, as ``Call``
-    fields (the window folded into its causal offset and a window offset)."""
+) -> tuple[Rules, int | None]:
+    """The call's checked score rules (softcap, sinks, ALiBi slopes, window, segments) as one
+    ``Rules``, and its causal offset with the window's right edge folded in."""
     hq, lq, lk = call.q.shape[-3], call.q.shape[-2], call.k.shape[-2]
-    extras: dict[str, Any] = {"return_lse": _checks.boolean("return_lse", return_lse)}
-    if softcap is not None:
-        extras["softcap"] = _checks.positive_float("softcap", softcap)
-    if sinks is not None:
-        extras["sinks"] = _checks.head_values("sinks", sinks, call.q, (hq,), "(Hq,)")
-    if alibi_slopes is not None:
-        extras["alibi_slopes"] = _checks.head_values(
-            "alibi_slopes", alibi_slopes, call.q, (*batch, hq), "(Hq,) or (*batch, Hq)"
-        )
+    causal_offset, window_offset = call.causal_offset, None
     if window is not None:
         upper, lower = masks.window_offsets(_checks.window("window", window, causal), lq, lk)
-        if call.causal_offset is not None:  # a key must pass the causal rule and the window
-            upper = call.causal_offset if upper is None else min(upper, call.causal_offset)
-        extras["causal_offset"] = None if upper is not None and upper >= lk - 1 else upper
-        extras["window_offset"] = None if lower is not None and lower <= 1 - lq else lower
-    if segments is not None:
-        extras["segments"] = _checks.segments("segments", segments, call.q, batch, lq, lk)
-    return extras
+        if causal_offset is not None:  # a key must pass the causal rule and the window
+            upper = causal_offset if upper is None else min(upper, causal_offset)
+        causal_offset = None if upper is not None and upper >= lk - 1 else upper
+        window_offset = None if lower is not None and lower <= 1 - lq else lower
+    rules = Rules(
+        softcap=None if softcap is None else _checks.positive_float("softcap", softcap),
+        alibi_slopes=None
+        if alibi_slopes is None
+        else _checks.head_values(
+            "alibi_slopes", alibi_slopes, call.q, (*batch, hq), "(Hq,) or (*batch, Hq)"
+        ),
+        window_offset=window_offset,
+        segments=None
+        if segments is None
+        else _checks.segments("segments", segments, call.q, batch, lq, lk),
+        sinks=None
+        if sinks is None
+        else _checks.head_values("sinks", sinks, call.q, (hq,), "(Hq,)"),
+    )
+    return rules, causal_offset
 
 
 def _check_tensors(q: Any, k: Any, v: Any) -> None:
@@ -161,7 +169,7 @@ def make_call(
         # Every query may attend every key (e.g. one new token against a KV cache): the rule
         # blocks nothing, and backends run fastest without one.
         offset = None
-    return Call(q, k, v, mask, offset, scale, dropout_p, return_weights)
+    return Call(q, k, v, mask, offset, scale, dropout_p, return_weights, NO_RULES)
 
 
 def _broadcast_heads(

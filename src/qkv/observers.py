@@ -23,18 +23,25 @@ class Observer(Protocol):
 
 
 _ACTIVE: ContextVar[Observer | None] = ContextVar("qkv_observer", default=None)
+# How many observers are active in any context: while none is, a call reads no ContextVar (which
+# torch.compile cannot trace; it reads this integer, and recompiles if it changes).
+_COUNT = 0
 
 
 def current() -> Observer | None:
     """The active observer, or None."""
-    return _ACTIVE.get()
+    return _ACTIVE.get() if _COUNT else None
 
 
 def activate(observer: Observer) -> Token[Observer | None]:
     """Make ``observer`` the active one until ``deactivate`` with the returned token."""
+    global _COUNT
+    _COUNT += 1
     return _ACTIVE.set(observer)
 
 
 def deactivate(token: Token[Observer | None]) -> None:
     """Restore the observer that was active before ``activate`` returned ``token``."""
+    global _COUNT
+    _COUNT -= 1
     _ACTIVE.reset(token)

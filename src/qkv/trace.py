@@ -230,11 +230,13 @@ class Trace:
                 call_mask=None if call.mask is None else call.mask.detach(),
                 shape=call.scores_shape,
                 groups=call.groups,
-                softcap=call.softcap,
-                sinks=None if call.sinks is None else call.sinks.detach(),
-                alibi_slopes=None if call.alibi_slopes is None else call.alibi_slopes.detach(),
-                window_offset=call.window_offset,
-                segments=call.segments,
+                softcap=call.rules.softcap,
+                sinks=None if call.rules.sinks is None else call.rules.sinks.detach(),
+                alibi_slopes=None
+                if call.rules.alibi_slopes is None
+                else call.rules.alibi_slopes.detach(),
+                window_offset=call.rules.window_offset,
+                segments=call.rules.segments,
                 x=self._kept("x", x),
                 q=self._kept("q", call.q),
                 k=self._kept("k", call.k),

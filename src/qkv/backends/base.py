@@ -32,6 +32,36 @@ class Unsupported(ValueError):
     """A backend cannot do this combination of arguments (the message says why and what to use)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Rules:
+    """A call's score rules beyond the mask and the causal offset (None: not used), built once
+    per call by ``qkv.canonical`` and handed as they are to every backend and operator."""
+
+    softcap: float | None = None  # scores s -> softcap · tanh(s / softcap), before the biases
+    alibi_slopes: torch.Tensor | None = None  # (*batch, Hq): adds −slope · |i + Lk − Lq − j|
+    window_offset: int | None = None  # query i may attend key j only if j >= i + window_offset
+    segments: tuple[torch.Tensor, torch.Tensor] | None = None  # ids (*batch, Lq), (*batch, Lk)
+    sinks: torch.Tensor | None = None  # (Hq,) one extra logit per head with a zero value
+
+    @property
+    def structured(self) -> bool:
+        """Whether keys are restricted by a window or segments (beyond mask and causal)."""
+        return self.window_offset is not None or self.segments is not None
+
+    @property
+    def modified_scores(self) -> bool:
+        """Whether scores are changed beyond ``q kᵀ · scale + mask`` (softcap or ALiBi)."""
+        return self.softcap is not None or self.alibi_slopes is not None
+
+    @property
+    def empty(self) -> bool:
+        """No rule at all."""
+        return not (self.structured or self.modified_scores or self.sinks is not None)
+
+
+NO_RULES = Rules()
+
+
 @dataclass(frozen=True, slots=True)  # slots: built once per call, on every decoding step
 class Call:
     q: torch.Tensor  # (*batch, Hq, Lq, Dk)  -- at least 3 dims: a head dim is added if absent
@@ -43,12 +73,7 @@ class Call:
     scale: float
     dropout_p: float
     return_weights: bool
-    # What real models add to the formula (None: not used); see ``qkv.attention``.
-    softcap: float | None = None  # scores s -> softcap · tanh(s / softcap), before biases
-    sinks: torch.Tensor | None = None  # (Hq,) one extra logit per head with a zero value
-    alibi_slopes: torch.Tensor | None = None  # (*batch, Hq): −slope · |i + Lk − Lq − j| is added
-    window_offset: int | None = None  # query i may attend key j only if j >= i + window_offset
-    segments: tuple[torch.Tensor, torch.Tensor] | None = None  # ids (*batch, Lq), (*batch, Lk)
+    rules: Rules = NO_RULES  # what real models add to the formula; see ``qkv.attention``
     return_lse: bool = False
 
     @property
@@ -76,19 +101,14 @@ class Call:
             or self.k.requires_grad
             or self.v.requires_grad
             or (self.mask is not None and self.mask.requires_grad)
-            or (self.sinks is not None and self.sinks.requires_grad)
-            or (self.alibi_slopes is not None and self.alibi_slopes.requires_grad)
+            or (self.rules.sinks is not None and self.rules.sinks.requires_grad)
+            or (self.rules.alibi_slopes is not None and self.rules.alibi_slopes.requires_grad)
         )
 
     @property
     def structured(self) -> bool:
         """Whether the call restricts keys by a window or segments (beyond mask and causal)."""
-        return self.window_offset is not None or self.segments is not None
-
-    @property
-    def modified_scores(self) -> bool:
-        """Whether scores are changed beyond ``q kᵀ · scale + mask`` (softcap or ALiBi)."""
-        return self.softcap is not None or self.alibi_slopes is not None
+        return self.rules.structured
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -107,8 +127,8 @@ class Call:
             0,
             self.k.shape[-2],
             self.q.device,
-            window_offset=self.window_offset,
-            segments=self.segments,
+            window_offset=self.rules.window_offset,
+            segments=self.rules.segments,
         )
 
 

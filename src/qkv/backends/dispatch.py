@@ -11,11 +11,11 @@ output, docs/performance.md).
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 
 import torch
 
+from qkv.backends import flash, reference, sdpa
 from qkv.backends.base import CacheWrite, Call, Unsupported
 
 NAMES = ("auto", "reference", "flash", "sdpa")
@@ -39,23 +39,18 @@ DECODING_QUERIES = 16
 KERNEL_MIN_SCORES = 2**20
 KERNEL_MIN_QUERIES = 128
 
-_MODULES: dict[str, ModuleType] = {}
+# Imported with this module, not per call: a tracer (torch.compile) follows a dict lookup.
+_MODULES: dict[str, ModuleType] = {"reference": reference, "flash": flash, "sdpa": sdpa}
 
 
 def backend(name: str) -> ModuleType:
-    """The backend module ``name`` ("reference", "flash" or "sdpa"), imported on first use."""
-    if name not in _MODULES:
-        _MODULES[name] = importlib.import_module(f"qkv.backends.{name}")
+    """The backend module ``name`` ("reference", "flash" or "sdpa")."""
     return _MODULES[name]
 
 
 def why_not(name: str, call: Call) -> str | None:
     """Why backend ``name`` cannot run ``call`` (None if it can)."""
-    try:
-        module = backend(name)
-    except ModuleNotFoundError:
-        return f'backend "{name}" is not available in this installation'
-    reason: str | None = module.why_not(call)
+    reason: str | None = backend(name).why_not(call)
     return reason
 
 
@@ -77,14 +72,15 @@ def preference(call: Call) -> tuple[str, ...]:
     lq, lk = call.q.shape[-2], call.k.shape[-2]
     masked = call.mask is not None or call.causal_offset not in (None, 0)
     few_queries = masked and (lq <= FEW_QUERIES or FEW_QUERIES_PER_KEY * lq <= lk)
-    flash = backend("flash")
+    if few_queries or call.structured:  # (asked first: segments' runs are read from their ids)
+        return ("flash", "sdpa", "reference")
     on_kernel = (
         call.mask is None
         and flash.runs_compiled(call)
         and (not call.needs_gradients or flash.differentiates_compiled(call))
         and (call.causal_offset is not None or _kernel_is_faster(call))
     )
-    if few_queries or on_kernel or call.structured:
+    if on_kernel:
         return ("flash", "sdpa", "reference")
     return ("sdpa", "flash", "reference")
 
@@ -95,7 +91,7 @@ def _kernel_is_faster(call: Call) -> bool:
     lq, lk = call.q.shape[-2], call.k.shape[-2]
     if lq < DECODING_QUERIES:
         return True
-    kernel = backend("flash").kernel
+    kernel = flash.kernel
     if kernel.matrix_units():
         scores = call.q.numel() // max(1, call.q.shape[-1]) * lk
         return scores >= KERNEL_MIN_SCORES and (

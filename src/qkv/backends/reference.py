@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from qkv import masks
+from qkv import _tracing, masks
 from qkv.backends.base import Call
 
 # Bytes per score element that the computation holds at its peak (scores, their exponentials,
@@ -40,17 +40,17 @@ def attention(call: Call) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tens
         # A query with no key it may attend would be softmax([-inf, ...]) = 0/0 = NaN. Give its
         # row finite scores and zero its weights afterwards: 0 output and 0 gradient, no NaN.
         has_key = keep.any(dim=-1, keepdim=True)  # (*B, Hq, Lq, 1)
-        if call.sinks is None:  # (with sinks, such a row gives all its weight to its sink)
+        if call.rules.sinks is None:  # (with sinks, such a row gives all its weight to its sink)
             scores = scores.masked_fill(~has_key, 0.0)
-    if call.sinks is not None:
+    if call.rules.sinks is not None:
         # Sinks (gpt-oss): a virtual key per head with logit sinks[h] and a zero value joins
         # every row's softmax, so a row may give less than all of its weight to real keys.
-        sink = call.sinks.to(dtype)[:, None, None].expand(*scores.shape[:-1], 1)
+        sink = call.rules.sinks.to(dtype)[:, None, None].expand(*scores.shape[:-1], 1)
         scores = torch.cat([scores, sink], dim=-1)  # (*B, Hq, Lq, Lk + 1)
 
     weights = torch.softmax(scores, dim=-1)[..., :lk]  # (*B, Hq, Lq, Lk); minus the row max
     lse = torch.logsumexp(scores, dim=-1) if call.return_lse else None  # (*B, Hq, Lq)
-    if has_key is not None and call.sinks is None:
+    if has_key is not None and call.rules.sinks is None:
         weights = weights.masked_fill(~has_key, 0.0)
         lse = None if lse is None else lse.masked_fill(~has_key[..., 0], float("-inf"))
 
@@ -68,10 +68,12 @@ def _scores(call: Call, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     # The scale 1/√d_k keeps the scores' variance near 1 whatever the head size, so the softmax
     # does not saturate into a one-hot.
     scores = (q @ k.transpose(-2, -1)) * call.scale  # (*B, Hq, Lq, Lk)
-    if call.softcap is not None:  # Gemma 2: squash every score into (-softcap, softcap)
-        scores = call.softcap * torch.tanh(scores / call.softcap)
-    if call.alibi_slopes is not None:  # ALiBi: -slope · |i + Lk - Lq - j|, a linear distance
-        scores = scores + masks.alibi_bias(call.alibi_slopes, 0, lq, 0, lk, lk - lq, scores.dtype)
+    if call.rules.softcap is not None:  # Gemma 2: squash every score into (-softcap, softcap)
+        scores = call.rules.softcap * torch.tanh(scores / call.rules.softcap)
+    if call.rules.alibi_slopes is not None:  # ALiBi: -slope · |i + Lk - Lq - j|, a linear distance
+        scores = scores + masks.alibi_bias(
+            call.rules.alibi_slopes, 0, lq, 0, lk, lk - lq, scores.dtype
+        )
     bias = masks.tile_bias(call.mask, 0, lq, 0, lk)
     if bias is not None:
         scores = scores + bias.to(scores.dtype)  # float mask: added to the scaled scores
@@ -79,7 +81,10 @@ def _scores(call: Call, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def why_not(call: Call) -> str | None:
-    """The reference backend runs every call that fits in memory."""
+    """The reference backend runs every call that fits in memory (traced, where the memory
+    free when the graph runs cannot be known, every call)."""
+    if _tracing.traced(call.q):
+        return None
     needed = workspace_bytes(call)
     available = available_bytes(call.q.device)
     if available is not None and needed > available:

@@ -17,11 +17,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qkv import masks
+from qkv import _tracing, masks
 from qkv.backends.base import Call
 
-# Handle NaN/Inf under a mask without a host synchronisation (always so off the CPU).
+# Handle NaN/Inf under a mask without a host synchronisation (always so off the CPU, and
+# traced, where a graph cannot hold a decision on the inputs' values).
 SYNC_FREE = False
+
+
+def _sync_free(q: torch.Tensor) -> bool:
+    return SYNC_FREE or _tracing.traced(q)
+
+
 # enable_gqa arrived in torch 2.5
 _HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
 
@@ -33,13 +40,13 @@ def why_not(call: Call) -> str | None:
         return "this torch has no grouped-query support in scaled_dot_product_attention"
     if call.return_lse:
         return 'torch\'s fused kernel does not return the log-sum-exp; use backend="flash"'
-    if call.softcap is not None or call.sinks is not None:
+    if call.rules.softcap is not None or call.rules.sinks is not None:
         return (
             "torch's fused kernel has no soft-capping or sinks (they change the softmax itself); "
             'use backend="flash" or "reference"'
         )
-    if call.alibi_slopes is not None and (
-        call.alibi_slopes.requires_grad or call.q.dtype not in (torch.float32, torch.float64)
+    if call.rules.alibi_slopes is not None and (
+        call.rules.alibi_slopes.requires_grad or call.q.dtype not in (torch.float32, torch.float64)
     ):
         return (
             "torch's fused kernel takes ALiBi only as a mask in the inputs' dtype, which rounds "
@@ -48,7 +55,7 @@ def why_not(call: Call) -> str | None:
     if call.q.shape[-2] == 0 or call.k.shape[-2] == 0:
         return "torch's fused kernel does not take empty sequences"
     masked = call.mask is not None or call.causal_offset is not None or call.structured
-    on_cpu = call.q.device.type == "cpu" and not SYNC_FREE
+    on_cpu = call.q.device.type == "cpu" and not _sync_free(call.q)
     if masked and on_cpu and not (bool(call.q.isfinite().all()) and bool(call.k.isfinite().all())):
         # torch adds -inf to blocked scores, and NaN + -inf is NaN: a NaN or Inf in q or k would
         # reach rows that may not attend it (qkv blocks a score by replacing it).
@@ -62,19 +69,19 @@ def why_not(call: Call) -> str | None:
 def attention(call: Call) -> tuple[torch.Tensor, None, None]:
     q, k, v = call.q, call.k, call.v
     lq, lk = q.shape[-2], k.shape[-2]
-    plain = call.mask is None and not call.structured and call.alibi_slopes is None
+    plain = call.mask is None and not call.structured and call.rules.alibi_slopes is None
     is_causal = call.causal_offset == 0 and plain
     mask = call.mask
     if (call.causal_offset is not None and not is_causal) or call.structured:
         rules = call.may_attend(with_mask=False)  # causal rule, window, segments: (…, Lq, Lk)
         mask = masks.combine(mask, rules)
-    if call.alibi_slopes is not None:
-        bias = masks.alibi_bias(call.alibi_slopes, 0, lq, 0, lk, lk - lq, q.dtype)
+    if call.rules.alibi_slopes is not None:
+        bias = masks.alibi_bias(call.rules.alibi_slopes, 0, lq, 0, lk, lk - lq, q.dtype)
         mask = masks.combine(mask, bias)
     if mask is not None and mask.is_floating_point():
         mask = mask.to(q.dtype)  # torch requires a float mask in the inputs' dtype
     extra = {"enable_gqa": True} if call.groups > 1 else {}
-    guarded = (mask is not None or is_causal) and (q.device.type != "cpu" or SYNC_FREE)
+    guarded = (mask is not None or is_causal) and (q.device.type != "cpu" or _sync_free(q))
     out = F.scaled_dot_product_attention(
         _finite(q) if guarded else q,
         _finite(k) if guarded else k,

@@ -8,9 +8,11 @@ Three parts, one concern each:
 - ``kernel.py`` + ``flash_cpu.cpp``: the same forward recurrence and backward pass compiled for
   the CPU, for calls without a mask, and a decoding step that writes a KV cache and attends in
   one call (``build.py`` builds it, ``build_command.py`` is ``qkv build``).
+- ``ops.py``: the same entry points as PyTorch custom operators, which torch.compile,
+  torch.export, FakeTensor and meta tensors see as one opaque operator per call.
 - this module: the backend's entry points (``why_not``, ``attention``, ``attention_with_cache``)
-  and ``forward``/``backward``, which run a block of keys on the kernel where it takes the call
-  and on the loop otherwise (ring attention calls them block by block).
+  and ``forward``/``gradients``, which run a call on the kernel where it takes it and on the
+  loop otherwise (ring attention calls ``forward``/``backward`` block by block).
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from typing import Any
 
 import torch
 
-from qkv import _checks, logsumexp
-from qkv.backends.base import CacheWrite, Call
-from qkv.backends.flash import kernel, loop
+from qkv import _checks, _tracing, logsumexp
+from qkv.backends.base import NO_RULES, CacheWrite, Call, Rules
+from qkv.backends.flash import kernel, loop, ops
 from qkv.backends.flash.loop import KEY_TILE, QUERY_TILE
-from qkv.backends.flash.rules import Rules, kernel_ranges, kernel_slopes
+from qkv.backends.flash.rules import kernel_ranges, kernel_slopes
 
 __all__ = [
     "KEY_TILE",
@@ -34,6 +36,7 @@ __all__ = [
     "backward",
     "differentiates_compiled",
     "forward",
+    "gradients",
     "runs_compiled",
     "why_not",
     "with_sinks",
@@ -48,47 +51,45 @@ def forward(
     scale: float,
     causal_offset: int | None = None,
     mask: torch.Tensor | None = None,
-    rules: Rules | None = None,
-    sinks: torch.Tensor | None = None,
+    rules: Rules = NO_RULES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``loop.forward`` (same arguments and results: out in the compute dtype, lse), on the
     compiled kernel where it takes the call (no mask, segments in contiguous runs; CPU,
-    float32/float16/bfloat16). ``sinks`` (Hq,) join each row afterwards:
-    a sink is a key with logit sinks[h] and value 0, so it rescales out by exp(lse − lse') and
-    adds to the log-sum-exp."""
+    float32/float16/bfloat16). ``rules.sinks`` (Hq,) join each row afterwards: a sink is a key
+    with logit sinks[h] and value 0, so it rescales out by exp(lse − lse') and adds to the
+    log-sum-exp."""
     compiled = None
-    arguments = _kernel_rules(q, k, v, causal_offset, rules) if mask is None else None
+    arguments = _kernel_rules(q, k, v, rules) if mask is None else None
     if arguments is not None:
         compiled = kernel.forward(q, k, v, scale, causal_offset, *arguments)
-    if compiled is not None:  # (the kernel's outputs are never part of a graph)
+    if compiled is not None:
         out, lse = compiled
     else:
         out, lse = loop.forward(
             q, k, v, scale=scale, causal_offset=causal_offset, mask=mask, rules=rules
         )
-    if sinks is not None:
-        out, lse = with_sinks(out, lse, sinks)
+    if rules.sinks is not None:
+        out, lse = with_sinks(out, lse, rules.sinks)
     return out, lse
 
 
+_KernelRules = tuple[int | None, tuple[torch.Tensor, int], float | None, torch.Tensor | None]
+
+
 def _kernel_rules(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal_offset: int | None,
-    rules: Rules | None,
-) -> tuple[tuple[torch.Tensor, int], float | None, torch.Tensor | None] | None:
-    """A call's score rules as the compiled kernel takes them, forward and backward: (the key
-    range of each query row, the soft-cap, ALiBi's slopes flattened over (*B, Hq)); None where
-    the kernel cannot take them (segment ids whose keys are not contiguous runs)."""
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rules: Rules
+) -> _KernelRules | None:
+    """A call's score rules as the compiled kernel takes them, forward and backward: (the window
+    offset, the key range of each query row's segment, the soft-cap, ALiBi's slopes flattened
+    over (*B, Hq)); None where the kernel cannot take them (segment ids whose keys are not
+    contiguous runs)."""
     batch = _checks.broadcast_shape(q.shape[:-3], k.shape[:-3], v.shape[:-3])
     assert batch is not None  # checked with the call
-    hq, lq, lk = q.shape[-3], q.shape[-2], k.shape[-2]
-    ranges = kernel_ranges(rules, causal_offset, batch, hq, lq, lk)
+    hq = q.shape[-3]
+    ranges = kernel_ranges(rules.segments, batch, hq, q.shape[-2])
     if ranges is None:
         return None
-    softcap = None if rules is None else rules.softcap
-    return ranges, softcap, kernel_slopes(rules, batch, hq)
+    return rules.window_offset, ranges, rules.softcap, kernel_slopes(rules.alibi_slopes, batch, hq)
 
 
 def with_sinks(
@@ -125,26 +126,80 @@ def backward(
     )
 
 
+Gradients = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None
+]
+
+
+def gradients(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    grad_lse: torch.Tensor | None,
+    *,
+    scale: float,
+    causal_offset: int | None,
+    mask: torch.Tensor | None,
+    rules: Rules,
+) -> Gradients:
+    """The backward pass of ``forward`` given its out and lse: (dq, dk, dv in the compute dtype,
+    the ALiBi slopes' gradient shaped as ``rules.alibi_slopes`` or None, the sinks' gradient or
+    None), on the compiled kernel where it takes the call, on the loop otherwise. out and lse
+    already hold the sinks' share, and a sink's value is 0, so the keys' gradients are those of
+    plain attention given out and lse."""
+    compiled = None
+    arguments = _kernel_rules(q, k, v, rules) if mask is None else None
+    if arguments is not None:
+        compiled = kernel.backward(
+            q, k, v, out, grad_out, lse, scale, causal_offset, *arguments, grad_lse=grad_lse
+        )
+    if compiled is not None:
+        dq, dk, dv, dslopes = compiled
+        if dslopes is not None:
+            dslopes = dslopes.view(*q.shape[:-2])  # (*B, Hq): kernel.backward takes one batch
+    else:
+        dq, dk, dv, dslopes = loop.backward_all(
+            q,
+            k,
+            v,
+            out,
+            grad_out,
+            lse,
+            scale=scale,
+            causal_offset=causal_offset,
+            mask=mask,
+            rules=rules,
+            grad_lse=grad_lse,
+        )
+    slopes, sinks = rules.alibi_slopes, rules.sinks
+    if dslopes is not None and slopes is not None:
+        dslopes = dslopes.sum_to_size(slopes.shape).to(slopes.dtype)
+    dsinks = None
+    if sinks is not None and sinks.requires_grad:
+        dsinks = sink_gradient(out, lse, grad_out, grad_lse, sinks)
+    return dq, dk, dv, dslopes, dsinks
+
+
 def runs_compiled(call: Call) -> bool:
-    """Whether this backend runs ``call``'s forward pass on the compiled kernel (a window or
-    segments only when it takes them: ``rules.kernel_ranges``)."""
+    """Whether this backend runs ``call``'s forward pass on the compiled kernel (segments only
+    in contiguous runs: ``rules.kernel_ranges``, which reads their ids)."""
     if call.mask is not None or not kernel.takes(call.q, call.k, call.v):
         return False
-    if not call.structured:
+    segments = call.rules.segments
+    if segments is None:
         return True
-    *batch, hq, lq, lk = call.scores_shape
-    return kernel_ranges(rules_of(call), call.causal_offset, tuple(batch), hq, lq, lk) is not None
+    *batch, hq, lq, _ = call.scores_shape
+    return kernel_ranges(segments, tuple(batch), hq, lq) is not None
 
 
 def differentiates_compiled(call: Call) -> bool:
-    """Whether this backend runs ``call``'s backward pass on the compiled kernel: no mask, no
-    gradient through a returned log-sum-exp, q, k and v of one batch shape, segments (if any)
-    in contiguous runs (``rules.kernel_ranges``), and a call the kernel takes."""
-    return (
-        not call.return_lse
-        and call.q.shape[:-3] == call.k.shape[:-3] == call.v.shape[:-3]
-        and runs_compiled(call)  # (no mask, among what it asks)
-    )
+    """Whether this backend runs ``call``'s backward pass on the compiled kernel: q, k and v of
+    one batch shape and a call whose forward pass it runs (no mask, segments in contiguous
+    runs, ...)."""
+    return call.q.shape[:-3] == call.k.shape[:-3] == call.v.shape[:-3] and runs_compiled(call)
 
 
 def why_not(call: Call) -> str | None:
@@ -164,24 +219,20 @@ def why_not(call: Call) -> str | None:
     return None
 
 
-def rules_of(call: Call) -> Rules | None:
-    """The call's soft-capping, ALiBi, window and segments as flash's tiles take them."""
-    if not (call.structured or call.modified_scores):
-        return None
-    return Rules(call.softcap, call.alibi_slopes, call.window_offset, call.segments)
-
-
 def attention(call: Call) -> tuple[torch.Tensor, None, torch.Tensor | None]:
-    """Run a checked call: (out in q's dtype, None, lse if the call asks for it)."""
-    rules = rules_of(call)
-    if call.needs_gradients:  # (a float mask that needs them is refused by why_not)
+    """Run a checked call: (out in q's dtype, None, lse if the call asks for it). Traced
+    (torch.compile, torch.export, fake or meta tensors), it is one custom operator
+    (``ops.attention``); eagerly the same functions run without the operator's dispatch."""
+    if _tracing.traced(call.q):
+        out, lse = ops.attention(call)
+    elif call.needs_gradients:  # (a float mask that needs them is refused by why_not)
         out, lse = _FlashAttention.apply(  # type: ignore[no-untyped-call]
             call.q,
             call.k,
             call.v,
-            call.sinks,
-            call.alibi_slopes,
-            _Options(call.mask, call.causal_offset, call.scale, rules),
+            call.rules.sinks,
+            call.rules.alibi_slopes,
+            _Options(call.mask, call.causal_offset, call.scale, call.rules),
         )
     else:
         out, lse = forward(
@@ -191,8 +242,7 @@ def attention(call: Call) -> tuple[torch.Tensor, None, torch.Tensor | None]:
             scale=call.scale,
             causal_offset=call.causal_offset,
             mask=call.mask,
-            rules=rules,
-            sinks=call.sinks,
+            rules=call.rules,
         )
     out = out if out.dtype == call.q.dtype else out.to(call.q.dtype)
     return out, None, (lse if call.return_lse else None)
@@ -208,12 +258,12 @@ def attention_with_cache(
         call.mask is None
         and not call.needs_gradients
         and call.q.shape[:-3] == (call.k.shape[:-3])
-        and rules_of(call) is None
-        and call.sinks is None
+        and call.rules.empty
         and not call.return_lse
     )
     if plain and kernel.decode_step_takes(call.q, write.k_new, write.v_new):
-        out = kernel.decode_step(
+        step = ops.decode_step if _tracing.traced(call.q) else kernel.decode_step
+        out = step(
             call.q,
             write.k_new,
             write.v_new,
@@ -235,11 +285,12 @@ class _Options:
     mask: torch.Tensor | None
     causal_offset: int | None
     scale: float
-    rules: Rules | None
+    rules: Rules
 
 
 class _FlashAttention(torch.autograd.Function):
-    """Saves q, k, v, out and lse only; the backward pass recomputes the tiles."""
+    """Saves q, k, v, out and lse only; the backward pass recomputes the tiles. (The eager form
+    of ``ops.attention``'s autograd: the same ``forward`` and ``gradients``.)"""
 
     @staticmethod
     def forward(
@@ -259,11 +310,9 @@ class _FlashAttention(torch.autograd.Function):
             causal_offset=options.causal_offset,
             mask=options.mask,
             rules=options.rules,
-            sinks=sinks,
         )
-        learnable = [x for x in (sinks, alibi_slopes) if x is not None]
-        ctx.save_for_backward(q, k, v, out, lse, *learnable)
-        ctx.options, ctx.has_sinks = options, sinks is not None
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = options
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -272,63 +321,22 @@ class _FlashAttention(torch.autograd.Function):
     def backward(
         ctx: Any, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse, *learnable = ctx.saved_tensors
-        sinks = learnable.pop(0) if ctx.has_sinks else None
-        alibi_slopes = learnable.pop(0) if learnable else None
+        q, k, v, out, lse = ctx.saved_tensors
         options: _Options = ctx.options
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        compiled = None
-        if options.mask is None and grad_lse is None:
-            compiled = compiled_backward(q, k, v, out, grad_out, lse, options)
-        if compiled is not None:
-            dq, dk, dv, dslopes = compiled
-        else:
-            dq, dk, dv, dslopes = loop.backward_all(
-                q,
-                k,
-                v,
-                out,
-                grad_out,
-                lse,
-                scale=options.scale,
-                causal_offset=options.causal_offset,
-                mask=options.mask,
-                rules=options.rules,
-                grad_lse=grad_lse,
-            )
-        dsinks = None
-        if sinks is not None and ctx.needs_input_grad[3]:
-            dsinks = sink_gradient(out, lse, grad_out, grad_lse, sinks)
-        if dslopes is not None and alibi_slopes is not None:
-            dslopes = dslopes.sum_to_size(alibi_slopes.shape).to(alibi_slopes.dtype)
+        dq, dk, dv, dslopes, dsinks = gradients(
+            q,
+            k,
+            v,
+            out,
+            lse,
+            torch.zeros_like(out) if grad_out is None else grad_out,
+            grad_lse,
+            scale=options.scale,
+            causal_offset=options.causal_offset,
+            mask=options.mask,
+            rules=options.rules,
+        )
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, dslopes, None
-
-
-def compiled_backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    grad_out: torch.Tensor,
-    lse: torch.Tensor,
-    options: _Options,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """The kernel's backward pass of an unmasked call with its score rules (None where the
-    kernel does not take it). out and lse already hold the sinks' share, and a sink's value is
-    0, so the keys' gradients are those of plain attention given out and lse."""
-    arguments = _kernel_rules(q, k, v, options.causal_offset, options.rules)
-    if arguments is None:
-        return None
-    compiled = kernel.backward(
-        q, k, v, out, grad_out, lse, options.scale, options.causal_offset, *arguments
-    )
-    if compiled is None:
-        return None
-    dq, dk, dv, dslopes = compiled
-    if dslopes is not None:
-        dslopes = dslopes.view(*q.shape[:-2])  # (*B, Hq): kernel.backward takes one batch shape
-    return dq, dk, dv, dslopes
 
 
 def sink_gradient(

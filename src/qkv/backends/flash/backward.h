@@ -148,16 +148,20 @@ struct BackwardPass {
   }
 };
 
-// q (NG, Lq, D), k (N, S, D), v (N, S, Dv), out and dout (NG, Lq, Dv), lse (NG, Lq), contiguous
-// float32: returns dq, dk and dv (the shapes of q, k, v) and ALiBi's slopes' gradient (NG,)
-// (empty (0,) without slopes), float32.
+// q (NG, Lq, D), k (N, S, D), v (N, S, Dv), out and dout (NG, Lq, Dv), lse and its gradient dlse
+// (NG, Lq; dlse empty: none), contiguous float32: returns dq, dk and dv (the shapes of q, k, v)
+// and ALiBi's slopes' gradient (NG,) (empty (0,) without slopes), float32.
 std::vector<at::Tensor> backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const at::Tensor& out, const at::Tensor& dout,
-                                      const at::Tensor& lse, const CallRules& call) {
+                                      const at::Tensor& lse, const at::Tensor& dlse,
+                                      const CallRules& call) {
   const int64_t NG = q.size(0), Lq = q.size(1), D = q.size(2);
   const int64_t N = k.size(0), S = k.size(1), Dv = v.size(2);
   const int64_t query_blocks = (Lq + kQueryBlock - 1) / kQueryBlock;
-  const at::Tensor delta = (dout * out).sum(-1).contiguous();  // (NG, Lq)
+  // (NG, Lq); a gradient of lse joins it: d lse / d s = p, so dS = P ∘ (dP − delta + dlse)
+  at::Tensor delta = (dout * out).sum(-1);
+  if (dlse.numel() != 0) delta = delta - dlse;
+  delta = delta.contiguous();
   // In base 2, as the scores; +inf where there is no key, so that 2^(s · c − lse) = 0.
   const at::Tensor lse2 = at::where(lse == kNegInf, -kNegInf, lse * kLog2E).contiguous();
   // Parts per head: enough tasks for every thread, never more parts than query blocks.

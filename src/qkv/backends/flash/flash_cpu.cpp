@@ -37,14 +37,15 @@ namespace {
 // float32 products run (Products).
 std::vector<at::Tensor> forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
-    int64_t offset, int64_t products, const at::Tensor& ranges, int64_t heads_per_range,
-    double softcap, const at::Tensor& slopes) {
+    int64_t offset, bool windowed, int64_t window, int64_t products, const at::Tensor& ranges,
+    int64_t heads_per_range, double softcap, const at::Tensor& slopes) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "need contiguous");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type());
   TORCH_CHECK(k.size(0) > 0 && q.size(0) % k.size(0) == 0, "heads must group");
   const CallRules call{static_cast<float>(scale),
-                       key_bounds(causal, offset, k.size(1), q.size(1), ranges, heads_per_range),
+                       key_bounds(causal, offset, windowed, window, k.size(1), q.size(1), ranges,
+                                  heads_per_range),
                        score_rules(softcap, slopes, q.size(0), k.size(1), q.size(1))};
   const auto path = static_cast<Products>(products);
   if (q.scalar_type() == at::kBFloat16) return forward_impl<at::BFloat16>(q, k, v, call, path);
@@ -57,8 +58,8 @@ std::vector<at::Tensor> forward(
 // rows: returns out (*B, Hq, Lq, Dv) and lse (*B, Hq, Lq), float32 (decode.h).
 std::vector<at::Tensor> decode(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
-    int64_t offset, const at::Tensor& ranges, int64_t heads_per_range, double softcap,
-    const at::Tensor& slopes) {
+    int64_t offset, bool windowed, int64_t window, const at::Tensor& ranges,
+    int64_t heads_per_range, double softcap, const at::Tensor& slopes) {
   TORCH_CHECK(q.dim() >= 3 && k.dim() == q.dim() && v.dim() == q.dim(), "q, k, v: same dims");
   TORCH_CHECK(q.sizes().slice(0, q.dim() - 3) == k.sizes().slice(0, k.dim() - 3) &&
               k.sizes().slice(0, k.dim() - 2) == v.sizes().slice(0, v.dim() - 2),
@@ -72,7 +73,8 @@ std::vector<at::Tensor> decode(
   };
   const at::Tensor q3 = q.reshape({-1, q.size(-2), q.size(-1)}).contiguous();
   const CallRules call{static_cast<float>(scale),
-                       key_bounds(causal, offset, k.size(-2), q.size(-2), ranges, heads_per_range),
+                       key_bounds(causal, offset, windowed, window, k.size(-2), q.size(-2), ranges,
+                                  heads_per_range),
                        score_rules(softcap, slopes, q3.size(0), k.size(-2), q.size(-2))};
   std::vector<at::Tensor> result;
   if (q.scalar_type() == at::kBFloat16) {
@@ -105,18 +107,20 @@ at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k_new, const at::T
   v_buf.narrow(2, start, L).copy_(v_new);
   const int64_t S = start + L;
   const at::Tensor out =
-      decode(q, k_buf.narrow(2, 0, S), v_buf.narrow(2, 0, S), scale, causal, offset, at::Tensor(),
-             1, 0.0, at::Tensor())[0];
+      decode(q, k_buf.narrow(2, 0, S), v_buf.narrow(2, 0, S), scale, causal, offset, false, 0,
+             at::Tensor(), 1, 0.0, at::Tensor())[0];
   return out.to(q.scalar_type());
 }
 
 // The forward pass's gradients (backward.h), float32 (the caller widens other dtypes): q, k, v
-// and lse as forward took and gave them, out and its gradient dout (NG, Lq, Dv). Returns dq, dk,
-// dv and ALiBi's slopes' gradient (NG,), empty (0,) for a call without slopes.
+// and lse as forward took and gave them, out and its gradient dout (NG, Lq, Dv), the gradient of
+// lse dlse (NG, Lq) (empty: none). Returns dq, dk, dv and ALiBi's slopes' gradient (NG,), empty
+// (0,) for a call without slopes.
 std::vector<at::Tensor> backward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& dout, const at::Tensor& lse, double scale, bool causal, int64_t offset,
-    const at::Tensor& ranges, int64_t heads_per_range, double softcap, const at::Tensor& slopes) {
+    const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& dlse, double scale,
+    bool causal, int64_t offset, bool windowed, int64_t window, const at::Tensor& ranges,
+    int64_t heads_per_range, double softcap, const at::Tensor& slopes) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
               v.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
@@ -125,9 +129,12 @@ std::vector<at::Tensor> backward(
               dout.is_contiguous() && lse.is_contiguous(), "need contiguous");
   TORCH_CHECK(k.size(0) > 0 && q.size(0) % k.size(0) == 0, "heads must group");
   const CallRules call{static_cast<float>(scale),
-                       key_bounds(causal, offset, k.size(1), q.size(1), ranges, heads_per_range),
+                       key_bounds(causal, offset, windowed, window, k.size(1), q.size(1), ranges,
+                                  heads_per_range),
                        score_rules(softcap, slopes, q.size(0), k.size(1), q.size(1))};
-  return backward_impl(q, k, v, out, dout, lse, call);
+  TORCH_CHECK(dlse.numel() == 0 || (dlse.scalar_type() == at::kFloat && dlse.sizes() == lse.sizes()),
+              "dlse: float32 shaped as lse");
+  return backward_impl(q, k, v, out, dout, lse, dlse, call);
 }
 
 // Whether oneDNN runs bfloat16 products on this CPU's matrix units (AMX).

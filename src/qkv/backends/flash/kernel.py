@@ -47,6 +47,7 @@ from types import ModuleType
 
 import torch
 
+from qkv._tracing import constant_result
 from qkv.backends.flash.build import compile_extension, extension_folder
 from qkv.backends.flash.loop import flat_heads
 
@@ -137,6 +138,13 @@ def load() -> ModuleType | None:
     return _loaded[ISA]
 
 
+@constant_result
+def available() -> bool:
+    """Whether the compiled kernel runs here (``load``: built on the first call that asks); a
+    constant for torch.compile, which asks it while tracing."""
+    return load() is not None
+
+
 def build(isa: str) -> ModuleType:
     """The kernel built for ``isa``: built now (one line on stderr says so), or its cached build
     loaded. Unlike ``load``, raises where it cannot be built (what ``qkv build`` reports): a
@@ -181,6 +189,7 @@ def build_info() -> dict[str, object]:
     }
 
 
+@constant_result
 def bfloat16_products() -> bool:
     """Whether bfloat16 inputs are multiplied in bfloat16 (with float32 sums, by oneDNN's
     brgemm) rather than widened to float32: where the CPU has bfloat16 matrix units (AMX), or,
@@ -196,6 +205,7 @@ def bfloat16_products() -> bool:
     return _bfloat16[ISA]
 
 
+@constant_result
 def matrix_units() -> bool:
     """Whether oneDNN runs bfloat16 products on this CPU's matrix units (AMX). False where the
     kernel is not built."""
@@ -221,6 +231,7 @@ def products() -> str:
     return GEMM
 
 
+@constant_result
 def cached_products() -> str:
     """``products()``, worked out once per ISA and GEMM (asked on every call of the kernel)."""
     key = f"{ISA}/{GEMM}"
@@ -290,7 +301,7 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
         and q.device.type == "cpu"
         and 0 not in (q.numel(), k.numel(), v.numel())
-        and load() is not None
+        and available()
     )
 
 
@@ -300,50 +311,45 @@ def forward(
     v: torch.Tensor,
     scale: float,
     causal_offset: int | None,
+    window_offset: int | None = None,
     ranges: tuple[torch.Tensor, int] | None = None,
     softcap: float | None = None,
     slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``loop.forward`` (without a mask) on the compiled kernel: (out, lse) in float32, or None
-    where it does not apply (``takes``). ``ranges``: (the keys [lo, hi) each query row may see,
-    (R, Lq, 2) int64, and how many consecutive heads of q share one of the R), for a window or
-    packed sequences (``rules.kernel_ranges``); the causal rule is then part of them.
-    ``softcap``, and ALiBi ``slopes`` (one float32 per query head of the flattened (*B, Hq)),
-    change each score before its exponential."""
+    where it does not apply (``takes``). Query row i sees keys j <= i + ``causal_offset`` and
+    j >= i + ``window_offset`` (None: no such bound); ``ranges``: packed sequences, (the keys
+    [lo, hi) each query row may see, (R, Lq, 2) int64, and how many consecutive heads of q share
+    one of the R) (``rules.kernel_ranges``). ``softcap``, and ALiBi ``slopes`` (one float32 per
+    query head of the flattened (*B, Hq)), change each score before its exponential."""
     if not takes(q, k, v):
         return None
     kernel = load()  # built and cached by takes
     assert kernel is not None
-    causal = causal_offset is not None
-    rules = _rule_arguments(ranges, softcap, slopes)
+    rules = _rule_arguments(causal_offset, window_offset, ranges, softcap, slopes)
     if q.shape[-2] < DECODE_QUERIES:  # one row at a time, K/V read where they lie
         if q.dtype != torch.float16 and q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
-            out, lse = kernel.decode(q, k, v, scale, causal, causal_offset or 0, *rules)
+            out, lse = kernel.decode(q, k, v, scale, *rules)
             return out, lse  # the common case: (*B, Hq, Lq, Dv), (*B, Hq, Lq) as they come
         dtype = torch.float32 if q.dtype == torch.float16 else q.dtype
         q_flat, k_flat, v_flat, batch = flat_heads(q, k, v, dtype)  # batch dims broadcast
-        out, lse = kernel.decode(
-            q_flat.flatten(0, 1),
-            k_flat,
-            v_flat,
-            scale,
-            causal,
-            causal_offset or 0,
-            *rules,
-        )
+        out, lse = kernel.decode(q_flat.flatten(0, 1), k_flat, v_flat, scale, *rules)
     else:
         low = q.dtype == torch.bfloat16 and bfloat16_products()
         dtype = torch.bfloat16 if low else torch.float32
         q_flat, k_flat, v_flat, batch = flat_heads(q, k, v, dtype)
+        causal, offset, windowed, window, *others = rules
         out, lse = kernel.forward(
             q_flat.flatten(0, 1).contiguous(),  # (N·g, Lq, Dk)
             k_flat.contiguous(),
             v_flat.contiguous(),
             scale,
             causal,
-            causal_offset or 0,
+            offset,
+            windowed,
+            window,
             PRODUCTS.index(cached_products()),
-            *rules,
+            *others,
         )
     hq = q.shape[-3]
     return out.view(*batch, hq, *out.shape[1:]), lse.view(*batch, hq, lse.shape[-1])
@@ -358,16 +364,18 @@ def backward(
     lse: torch.Tensor,
     scale: float,
     causal_offset: int | None,
+    window_offset: int | None = None,
     ranges: tuple[torch.Tensor, int] | None = None,
     softcap: float | None = None,
     slopes: torch.Tensor | None = None,
+    grad_lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """``loop.backward_all`` (without a mask or a log-sum-exp gradient) on the compiled kernel:
-    (dq, dk, dv, dslopes) in float32, dq, dk and dv with the shapes of q, k and v, or None where
-    it does not apply: ``takes``, and q, k and v of one batch shape (dk and dv then need no sum
-    over broadcast batch dims). ``ranges``, ``softcap`` and ``slopes`` as for ``forward``;
-    dslopes is ALiBi's slopes' gradient, one per query head of the flattened (*B, Hq) (None
-    without slopes)."""
+    """``loop.backward_all`` (without a mask) on the compiled kernel: (dq, dk, dv, dslopes) in
+    float32, dq, dk and dv with the shapes of q, k and v, or None where it does not apply:
+    ``takes``, and q, k and v of one batch shape (dk and dv then need no sum over broadcast
+    batch dims). The rules as for ``forward``; ``grad_lse`` (*B, Hq, Lq), the gradient of a
+    returned log-sum-exp (None: none). dslopes is ALiBi's slopes' gradient, one per query head
+    of the flattened (*B, Hq) (None without slopes)."""
     if not (takes(q, k, v) and q.dim() >= 3 and q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
         return None
     kernel = load()
@@ -375,6 +383,7 @@ def backward(
     f32 = torch.float32
     q_flat, k_flat, v_flat, _ = flat_heads(q, k, v, f32)
     rows = q_flat.flatten(0, 1).shape  # (N·g, Lq, Dk)
+    no_lse = torch.empty(0)
     dq, dk, dv, dslopes = kernel.backward(
         q_flat.reshape(rows).contiguous(),
         k_flat.contiguous(),
@@ -382,22 +391,34 @@ def backward(
         out.to(f32).reshape(*rows[:2], -1).contiguous(),
         grad_out.to(f32).reshape(*rows[:2], -1).contiguous(),
         lse.to(f32).reshape(rows[:2]).contiguous(),
+        no_lse if grad_lse is None else grad_lse.to(f32).reshape(rows[:2]).contiguous(),
         scale,
-        causal_offset is not None,
-        causal_offset or 0,
-        *_rule_arguments(ranges, softcap, slopes),
+        *_rule_arguments(causal_offset, window_offset, ranges, softcap, slopes),
     )
     grads = dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
     return (*grads, None if slopes is None else dslopes)
 
 
 def _rule_arguments(
-    ranges: tuple[torch.Tensor, int] | None, softcap: float | None, slopes: torch.Tensor | None
-) -> tuple[torch.Tensor, int, float, torch.Tensor]:
-    """The score rules as the compiled functions take them, an absent rule as an empty tensor
-    or 0: (key ranges, heads per range, soft-cap, ALiBi slopes)."""
+    causal_offset: int | None,
+    window_offset: int | None,
+    ranges: tuple[torch.Tensor, int] | None,
+    softcap: float | None,
+    slopes: torch.Tensor | None,
+) -> tuple[bool, int, bool, int, torch.Tensor, int, float, torch.Tensor]:
+    """The rules as the compiled functions take them, an absent rule as False and 0 or an empty
+    tensor: (causal, offset, windowed, window, key ranges, heads per range, soft-cap, slopes)."""
     bounds, heads_per_range = (torch.empty(0, dtype=torch.long), 1) if ranges is None else ranges
-    return bounds, heads_per_range, softcap or 0.0, torch.empty(0) if slopes is None else slopes
+    return (
+        causal_offset is not None,
+        causal_offset or 0,
+        window_offset is not None,
+        window_offset or 0,
+        bounds,
+        heads_per_range,
+        softcap or 0.0,
+        torch.empty(0) if slopes is None else slopes,
+    )
 
 
 def decode_step_takes(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> bool:

@@ -80,8 +80,8 @@ from dataclasses import dataclass
 import torch
 
 from qkv import _checks, masks
-from qkv.backends.base import compute_dtype
-from qkv.backends.flash.rules import LOG2_E, Rules, TileRules  # scores in base-2 units
+from qkv.backends.base import Rules, compute_dtype
+from qkv.backends.flash.rules import LOG2_E, TileRules  # scores in base-2 units
 
 # Tile sizes: a (rows, keys) tile of scores for all heads of a call should stay in this machine's
 # caches while it is exponentiated and summed; measured on a 2-core x86 CPU (see
@@ -362,7 +362,7 @@ class _Tiles:
     ) -> None:
         self.heads, self.mask, self.offset = heads, mask, offset
         self.rules = None
-        if rules is not None and not rules.empty:
+        if rules is not None and (rules.structured or rules.modified_scores):
             shape = (heads.n, heads.g, heads.lq, heads.lk)
             self.rules = TileRules(rules, heads.batch, shape, heads.dtype, backward)
         self._causal_blocked: dict[tuple[int, int, int], torch.Tensor] = {}

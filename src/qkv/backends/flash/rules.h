@@ -16,27 +16,33 @@
 
 namespace {
 
-// The keys each query row may see, [lo, hi). Without ranges: all S keys, or causally keys
-// 0 … i + offset. With ranges (a window, packed sequences; the causal rule already in them):
+// The keys each query row may see, [lo, hi): all S keys, causally keys 0 … i + offset, with a
+// window from key i + window on, and with ranges (packed sequences) within the row's range too:
 // row i of head z sees ranges[z / heads_per_range][i] = (lo, hi), an (R, Lq, 2) int64 tensor.
 struct KeyBounds {
   bool causal;
-  int64_t offset, S, Lq;
+  int64_t offset;
+  bool windowed;
+  int64_t window;
+  int64_t S, Lq;
   const int64_t* ranges;  // nullptr: no ranges
   int64_t heads_per_range;
 
   std::pair<int64_t, int64_t> row(int64_t head, int64_t i) const {
+    int64_t lo = windowed ? std::clamp<int64_t>(i + window, 0, S) : 0;
+    int64_t hi = causal ? std::clamp<int64_t>(i + offset + 1, 0, S) : S;
     if (ranges != nullptr) {
       const int64_t* b = ranges + ((head / heads_per_range) * Lq + i) * 2;
-      return {std::clamp<int64_t>(b[0], 0, S), std::clamp<int64_t>(b[1], 0, S)};
+      lo = std::max(lo, std::clamp<int64_t>(b[0], 0, S));
+      hi = std::min(hi, std::clamp<int64_t>(b[1], 0, S));
     }
-    return {0, causal ? std::clamp<int64_t>(i + offset + 1, 0, S) : S};
+    return {lo, hi};
   }
 
   // The keys rows first … last of one head may see together, [begin, end): from their first
   // key to their last (causally up to the last row's diagonal); begin ≥ end: none.
   std::pair<int64_t, int64_t> span(int64_t head, int64_t first, int64_t last) const {
-    if (ranges == nullptr) {  // every row from key 0, the last row the furthest
+    if (ranges == nullptr && !windowed) {  // every row from key 0, the last row the furthest
       const int64_t hi = row(head, last).second;
       return hi > 0 ? std::pair<int64_t, int64_t>{0, hi} : std::pair<int64_t, int64_t>{S, 0};
     }
@@ -49,13 +55,16 @@ struct KeyBounds {
   }
 };
 
-KeyBounds key_bounds(bool causal, int64_t offset, int64_t S, int64_t Lq, const at::Tensor& ranges,
-                     int64_t heads_per_range) {
-  if (ranges.numel() == 0) return {causal, offset, S, Lq, nullptr, 1};
+// The bounds of a call: the causal rule (causal, offset), a window's left edge (windowed,
+// window) and ranges (empty: none).
+KeyBounds key_bounds(bool causal, int64_t offset, bool windowed, int64_t window, int64_t S,
+                     int64_t Lq, const at::Tensor& ranges, int64_t heads_per_range) {
+  if (ranges.numel() == 0) return {causal, offset, windowed, window, S, Lq, nullptr, 1};
   TORCH_CHECK(ranges.scalar_type() == at::kLong && ranges.is_contiguous() && ranges.dim() == 3 &&
               ranges.size(1) == Lq && ranges.size(2) == 2 && heads_per_range > 0,
               "ranges: contiguous int64 (R, Lq, 2)");
-  return {causal, offset, S, Lq, ranges.const_data_ptr<int64_t>(), heads_per_range};
+  return {causal, offset, windowed, window, S, Lq, ranges.const_data_ptr<int64_t>(),
+          heads_per_range};
 }
 
 // What a call adds to q · k: soft-capping and ALiBi. cap = 0: no capping; slopes = nullptr: no

@@ -10,32 +10,13 @@ rows of a tile, kt keys of a tile.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from qkv import masks
+from qkv.backends.base import Rules
 
 LOG2_E = 1.0 / math.log(2.0)  # scores in base-2 units: exp(x) = 2^(x · LOG2_E)
-
-
-@dataclass(frozen=True)
-class Rules:
-    """A call's score rules beyond the mask and the causal offset (None: not used)."""
-
-    softcap: float | None = None  # s -> softcap · tanh(s / softcap), before the biases
-    alibi_slopes: torch.Tensor | None = None  # (*batch, Hq): adds −slope · |i + Lk − Lq − j|
-    window_offset: int | None = None  # query i may attend key j only if j >= i + window_offset
-    segments: tuple[torch.Tensor, torch.Tensor] | None = None  # ids (*batch, Lq), (*batch, Lk)
-
-    @property
-    def empty(self) -> bool:
-        return (
-            self.softcap is None
-            and self.alibi_slopes is None
-            and self.window_offset is None
-            and self.segments is None
-        )
 
 
 class TileRules:
@@ -122,38 +103,30 @@ class TileRules:
 
 
 def kernel_ranges(
-    rules: Rules | None, offset: int | None, batch: tuple[int, ...], hq: int, lq: int, lk: int
+    segments: tuple[torch.Tensor, torch.Tensor] | None, batch: tuple[int, ...], hq: int, lq: int
 ) -> tuple[torch.Tensor, int] | None:
-    """The compiled kernel's form of a causal rule, a window and packed sequences: the keys
-    [lo, hi) each query row may see, (R, Lq, 2) int64 for R = 1 or R = prod(*batch) batch
-    entries, and the heads per entry. None where the kernel cannot take the rules (segment ids
-    whose keys are not contiguous runs); an empty tensor when there are none."""
-    none = torch.empty(0, dtype=torch.long)
-    if rules is None or (rules.window_offset is None and rules.segments is None):
-        return none, 1
-    rows = torch.arange(lq)
-    lo = torch.zeros(1, lq, dtype=torch.long)
-    hi = torch.full((1, lq), lk, dtype=torch.long)
-    if offset is not None:
-        hi = torch.minimum(hi, rows + offset + 1)
-    if rules.window_offset is not None:
-        lo = torch.maximum(lo, rows + rules.window_offset)
-    heads_per_range = math.prod(batch) * hq
-    if rules.segments is not None:  # one range per batch entry
-        query_ids, key_ids = rules.segments
-        expanded = query_ids.expand(*batch, lq), key_ids.expand(*batch, lk)
-        first, last, runs = masks.segment_spans(expanded)
-        if not runs:
-            return None
-        lo, hi = torch.maximum(lo, first.cpu()), torch.minimum(hi, last.cpu() + 1)
-        heads_per_range = hq
-    return torch.stack([lo, hi], dim=-1).contiguous(), heads_per_range
+    """The compiled kernel's form of packed sequences: the keys [lo, hi) of each query row's
+    segment, (R, Lq, 2) int64 for the R = prod(*batch) batch entries, and the heads per entry
+    (Hq); an empty tensor without segments; None where the kernel cannot take them (segment
+    ids whose keys are not contiguous runs). Built once per pass (the causal rule and a
+    window are the kernel's own integer arguments)."""
+    if segments is None:
+        return torch.empty(0, dtype=torch.long), 1
+    query_ids, key_ids = segments
+    expanded = query_ids.expand(*batch, lq), key_ids.expand(*batch, key_ids.shape[-1])
+    first, last, runs = masks.segment_spans(expanded)
+    if not runs:
+        return None
+    lo, hi = first.reshape(-1, lq).cpu(), last.reshape(-1, lq).cpu() + 1
+    return torch.stack([lo, hi], dim=-1).contiguous(), hq
 
 
-def kernel_slopes(rules: Rules | None, batch: tuple[int, ...], hq: int) -> torch.Tensor | None:
+def kernel_slopes(
+    alibi_slopes: torch.Tensor | None, batch: tuple[int, ...], hq: int
+) -> torch.Tensor | None:
     """ALiBi's slopes as the compiled kernel takes them: float32, one per query head of the
     flattened (*batch, Hq)."""
-    if rules is None or rules.alibi_slopes is None:
+    if alibi_slopes is None:
         return None
-    slopes = rules.alibi_slopes.detach().to(torch.float32).expand(*batch, hq)
+    slopes = alibi_slopes.detach().to(torch.float32).expand(*batch, hq)
     return slopes.reshape(-1).contiguous().cpu()
