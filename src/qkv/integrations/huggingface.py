@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from qkv import logsumexp, masks
+from qkv import _tracing, logsumexp, masks
 from qkv.functional import attention
 from qkv.integrations import mask_rules, model_parts
 
@@ -125,13 +125,17 @@ def mask_forward(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     and qkv's attention function runs the rule as arguments. Anything else is transformers'
     own ``sdpa_mask``, a bool (B, 1, Lq, Lk) mask, True = may attend (qkv's convention), built
     in full: the shortcuts that let it return None are turned off, so that a missing mask
-    always means the model passed none.
+    always means the model passed none. Traced (torch.compile, torch.export), every mask is
+    built: a tracer follows no tensor subclass made on the way.
     """
     from transformers.masking_utils import sdpa_mask
 
-    rule_mask = mask_rules.rule_mask(kwargs)
-    if rule_mask is not None:
-        return rule_mask
+    tensors = [value for value in kwargs.values() if isinstance(value, torch.Tensor)]
+    traced = torch.compiler.is_compiling() or any(_tracing.traced(x) for x in tensors)
+    if not traced:  # (traced: the dense mask, exact)
+        rule_mask = mask_rules.rule_mask(kwargs)
+        if rule_mask is not None:
+            return rule_mask
     kwargs["allow_is_causal_skip"] = kwargs["allow_is_bidirectional_skip"] = False
     return sdpa_mask(*args, **kwargs)
 

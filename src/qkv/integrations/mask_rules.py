@@ -31,7 +31,7 @@ from typing import Any, ClassVar, TypeGuard
 import torch
 from torch.utils._pytree import tree_map
 
-from qkv import masks
+from qkv import _tracing, masks
 
 
 @dataclass(frozen=True)
@@ -245,6 +245,8 @@ def _keys(padding: Any, lk: int, kv_offset: int, batch: int) -> torch.Tensor | b
     padded = prepare_padding_mask(padding.to(torch.bool), lk, kv_offset)
     assert padded is not None
     keys = padded[:, kv_offset : kv_offset + lk].expand(batch, lk)
+    if _tracing.traced(keys):  # (a graph cannot hold a decision on the mask's values)
+        return keys
     return None if bool(keys.all()) else keys
 
 

@@ -17,6 +17,7 @@ Three parts, one concern each:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,12 +145,19 @@ def gradients(
     causal_offset: int | None,
     mask: torch.Tensor | None,
     rules: Rules,
+    every_gradient: bool = False,
 ) -> Gradients:
     """The backward pass of ``forward`` given its out and lse: (dq, dk, dv in the compute dtype,
     the ALiBi slopes' gradient shaped as ``rules.alibi_slopes`` or None, the sinks' gradient or
-    None), on the compiled kernel where it takes the call, on the loop otherwise. out and lse
-    already hold the sinks' share, and a sink's value is 0, so the keys' gradients are those of
-    plain attention given out and lse."""
+    None), on the compiled kernel where it takes the call, on the loop otherwise. The slopes'
+    and sinks' gradients are computed where they require one, or with ``every_gradient`` where
+    they are given (a custom operator's tensors never require one). out and lse already hold
+    the sinks' share, and a sink's value is 0, so the keys' gradients are those of plain
+    attention given out and lse."""
+    slopes, sinks = rules.alibi_slopes, rules.sinks
+    if every_gradient and slopes is not None and not slopes.requires_grad:
+        # (the loop adds up the slopes' gradient for slopes that require one)
+        rules = dataclasses.replace(rules, alibi_slopes=slopes.detach().requires_grad_())
     compiled = None
     arguments = _kernel_rules(q, k, v, rules) if mask is None else None
     if arguments is not None:
@@ -174,11 +182,10 @@ def gradients(
             rules=rules,
             grad_lse=grad_lse,
         )
-    slopes, sinks = rules.alibi_slopes, rules.sinks
     if dslopes is not None and slopes is not None:
         dslopes = dslopes.sum_to_size(slopes.shape).to(slopes.dtype)
     dsinks = None
-    if sinks is not None and sinks.requires_grad:
+    if sinks is not None and (sinks.requires_grad or every_gradient):
         dsinks = sink_gradient(out, lse, grad_out, grad_lse, sinks)
     return dq, dk, dv, dslopes, dsinks
 

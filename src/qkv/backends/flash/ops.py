@@ -151,18 +151,14 @@ def _attention_backward(
         causal_offset=causal_offset,
         mask=mask,
         rules=rules,
+        every_gradient=True,
     )
-    if alibi_slopes is not None and dslopes is None:  # the loop: slopes that need no gradient
-        dslopes = torch.zeros_like(alibi_slopes)
-    if sinks is not None and dsinks is None:
-        dsinks = torch.zeros_like(sinks)
-    none = q.new_empty(0)
     return (
         dq.contiguous(),
         dk.contiguous(),
         dv.contiguous(),
-        none if dslopes is None else dslopes.contiguous(),
-        none if dsinks is None else dsinks.contiguous(),
+        q.new_empty(0) if dslopes is None else dslopes.contiguous(),
+        q.new_empty(0) if dsinks is None else dsinks.contiguous(),
     )
 
 
