@@ -12,7 +12,7 @@
 //
 // and at the end out = acc / l, lse = (m + log2 l) · ln 2. A row with no key keeps l = 0: out 0,
 // lse −inf. Key blocks no row of the block may see are skipped: causally those past its last
-// diagonal, and with ranges (a window, packed sequences) those before its rows' first keys too.
+// diagonal, and with a window or ranges (packed sequences) those before its rows' first keys too.
 // In a block a row's range crosses, the row only exponentiates the keys it may see, the rest of
 // its p is 0, and the products stop at the last key any row of the block may see.
 //

@@ -4,7 +4,7 @@ A traced call sees one opaque operator where eager code runs Python (the kernel'
 load, the choice between kernel and loop, the segment ids' runs): ``torch.ops.qkv.attention``
 and its backward pass ``torch.ops.qkv.attention_backward`` (joined by ``register_autograd``), and
 ``torch.ops.qkv.decode_step``, which writes a KV cache's buffers in place (declared with
-``mutates_args``). Their implementations are the backend's own ``forward``, ``gradients`` and
+``mutates_args``). Their implementations are ``passes.forward``, ``passes.gradients`` and
 ``kernel.decode_step``, for every device (the kernel where it takes the call, the loop
 elsewhere); their fake implementations give the outputs' shapes and dtypes from the inputs'.
 
@@ -23,6 +23,7 @@ import torch
 
 from qkv import _checks
 from qkv.backends.base import Call, Rules, compute_dtype
+from qkv.backends.flash import kernel, passes
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -97,10 +98,8 @@ def _attention(
     alibi_slopes: Tensor | None,
     sinks: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
-    from qkv.backends import flash  # (flash imports this module)
-
     rules = _rules(window_offset, q_segments, k_segments, softcap, alibi_slopes, sinks)
-    out, lse = flash.forward(
+    out, lse = passes.forward(
         q, k, v, scale=scale, causal_offset=causal_offset, mask=mask, rules=rules
     )
     return out.contiguous(), lse.contiguous()
@@ -136,10 +135,8 @@ def _attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv in the compute dtype, d alibi_slopes, d sinks); a gradient with no input
     is an empty (0,) tensor."""
-    from qkv.backends import flash
-
     rules = _rules(window_offset, q_segments, k_segments, softcap, alibi_slopes, sinks)
-    dq, dk, dv, dslopes, dsinks = flash.gradients(
+    dq, dk, dv, dslopes, dsinks = passes.gradients(
         q,
         k,
         v,
@@ -253,16 +250,12 @@ def _decode_step(
     scale: float,
     causal_offset: int | None,
 ) -> Tensor:
-    from qkv.backends.flash import kernel
-
     if not kernel.decode_step_takes(q, k_new, v_new):  # (a device the kernel does not run)
-        from qkv.backends import flash
-
         added = k_new.shape[-2]
         keys.narrow(-2, start, added).copy_(k_new)
         values.narrow(-2, start, added).copy_(v_new)
         seen = start + added
-        out, _ = flash.forward(
+        out, _ = passes.forward(
             q,
             keys.narrow(-2, 0, seen),
             values.narrow(-2, 0, seen),
