@@ -45,14 +45,18 @@ def _graph_breaks() -> int:
 
 
 class _Graphs:
-    """A dynamo backend that keeps the FX graphs it is given and runs them as they are."""
+    """A dynamo backend that keeps the FX graphs it is given."""
 
-    def __init__(self) -> None:
+    def __init__(self, then: str | None = None) -> None:
         self.graphs: list[torch.fx.GraphModule] = []
+        self.then = then  # a dynamo backend that compiles the graphs, or None: run them as given
 
     def __call__(self, gm: torch.fx.GraphModule, inputs: Any) -> Callable[..., Any]:
         self.graphs.append(gm)
-        return gm.forward
+        if self.then is None:
+            return gm.forward
+        compiled: Callable[..., Any] = torch._dynamo.lookup_backend(self.then)(gm, inputs)
+        return compiled
 
     def targets(self) -> list[Any]:
         return [node.target for gm in self.graphs for node in gm.graph.nodes]
@@ -200,9 +204,10 @@ def test_modules_compile_whole_forward_and_backward(module: str) -> None:
 
 def test_kv_cache_decoding_compiles_and_writes_the_cache() -> None:
     """The decoding step's kernel (which writes the cache's buffers in place) as a custom
-    operator that declares the write: the compiled steps equal the eager ones, cache included."""
+    operator that declares the write: the compiled steps equal the eager ones, cache included,
+    and 40 steps take a new graph only where the cache grows its buffers."""
     torch.manual_seed(0)
-    prompt, steps = 12, 5
+    prompt, steps = 12, 40
     k_all, v_all, q_all = (torch.randn(1, H, prompt + steps, D) for _ in range(3))
 
     def run(step: Callable[..., torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -217,8 +222,10 @@ def test_kv_cache_decoding_compiles_and_writes_the_cache() -> None:
         return qkv.attention_with_cache(q, k, v, cache, causal=True)
 
     eager, eager_keys = run(step)
-    compiled, compiled_keys = run(torch.compile(step, backend="aot_eager", fullgraph=True))
+    graphs = _Graphs(then="aot_eager")
+    compiled, compiled_keys = run(torch.compile(step, backend=graphs, fullgraph=True))
     assert _graph_breaks() == 0
+    assert len(graphs.graphs) <= 6  # (the prompt, the first steps, the buffers' growth)
     torch.testing.assert_close(compiled_keys, eager_keys)
     for a, b in zip(eager, compiled, strict=True):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
