@@ -225,7 +225,7 @@ def test_kv_cache_decoding_compiles_and_writes_the_cache() -> None:
     graphs = _Graphs(then="aot_eager")
     compiled, compiled_keys = run(torch.compile(step, backend=graphs, fullgraph=True))
     assert _graph_breaks() == 0
-    assert len(graphs.graphs) <= 6  # (the prompt, the first steps, the buffers' growth)
+    assert len(graphs.graphs) <= 8  # the prompt, the first steps, each growth: not one per step
     torch.testing.assert_close(compiled_keys, eager_keys)
     for a, b in zip(eager, compiled, strict=True):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
