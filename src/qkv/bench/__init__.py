@@ -9,6 +9,8 @@ One module per job:
 - ``memory``: the peak memory a case adds; a fresh worker process for one long causal step.
 - ``decode``: token-by-token decoding with a ``qkv.KVCache`` against recomputing the prefix.
 - ``auto``: every backend on the calls that decide what ``backend="auto"`` picks.
+- ``compile``: training steps of a small GPT-style model under ``torch.compile`` and eager,
+  qkv's attention against torch's ``scaled_dot_product_attention``; graph breaks counted.
 - ``report``: the machine, the text tables, JSON and the plot.
 - ``command``: the ``qkv bench`` command line.
 

@@ -9,6 +9,7 @@
     qkv bench --auto                            # the calls that decide what "auto" picks
     qkv bench --arguments 4096                  # sinks, softcap, ALiBi, windows, documents
     qkv bench --isa avx2                        # flash's AVX2 build, torch held to AVX2 too
+    qkv bench --compile                         # a GPT-style training step under torch.compile
 
 The table goes to stdout; one progress line per case goes to stderr as the run goes on.
 """
@@ -25,6 +26,7 @@ import torch
 
 from qkv.backends.flash import kernel
 from qkv.bench import arguments, auto, cases, decode, isa, memory, report, runs, timing
+from qkv.bench import compile as compiled
 
 MATMUL_BUDGET_S = 1.0  # the whole matrix-multiply probe, all dtypes together
 
@@ -113,6 +115,17 @@ def configure_only_modes(parser: argparse.ArgumentParser) -> None:
         help="only: what sinks, softcap, alibi_slopes, window and segments cost on flash, "
         "against the plain causal call at length T (default 4096)",
     )
+    add(
+        "--compile",
+        type=positive,
+        nargs="?",
+        const=1024,
+        default=None,
+        metavar="T",
+        help="only: training steps of a 4-layer GPT-style model (d_model = heads x dim) at "
+        "length T (default 1024), compiled with torch.compile and eager, with qkv's attention "
+        "and with torch's scaled_dot_product_attention",
+    )
     add("--worker", help=argparse.SUPPRESS)
 
 
@@ -152,6 +165,12 @@ def run(args: argparse.Namespace) -> int:
         rows = arguments.arguments_benchmark(args.arguments, shape, args.repeats, args.passes)
         record["arguments"] = rows
         print(arguments.format_arguments(rows, args.arguments, shape))
+    elif args.compile is not None:
+        model = compiled.ModelShape(
+            d_model=shape.d_model, heads=shape.heads, length=args.compile, batch=shape.batch
+        )
+        record["compile"] = compiled.compile_benchmark(model, args.repeats)
+        print(compiled.format_compile(record["compile"], record["machine"]))
     else:
         table(args, shape, record)
     if args.json:
