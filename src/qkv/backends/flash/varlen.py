@@ -1,0 +1,220 @@
+"""How flash runs ``qkv.varlen_attn``: a packed batch as one kernel call whose query rows each
+see their own sequence's keys.
+
+The compiled kernel takes, per query row, the range of keys [lo, hi) it may see (``rules.h``'s
+KeyBounds). A packed batch is one (1, H_q, T_q, D) call whose row r of sequence i gets
+lo = k_start_i + max(0, p − left), hi = k_start_i + min(k_len_i, p + right + 1), with
+p = r − q_start_i + k_len_i − q_len_i its position among the sequence's keys: each sequence's
+own bottom-right diagonal and window, and tiles outside every row's range are skipped, so a
+packed batch costs what its sequences cost alone. A third column gives each row its own ALiBi
+shift (the kernel's distance i + shift − j is then p − (j − k_start_i)).
+
+Where the kernel does not run (float64, another device, no kernel, or a gradient through the
+log-sum-exp) each sequence runs alone through ``qkv.attention``: the same rules, by definition.
+Paged pools are read in ``paged.py``. Legend: N sequences, T_q / T_k packed tokens, H_q / H_kv
+heads, D / Dv features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qkv.backends.flash import kernel
+from qkv.backends.flash import paged as paged_reading
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where each of N sequences lies: its first query and key token and its lengths (the keys
+    it uses); ``table`` (N, max_pages) int64 on the CPU for a paged call (keys then start at 0
+    in each sequence's pages)."""
+
+    q_start: list[int]
+    q_len: list[int]
+    k_start: list[int]
+    k_len: list[int]
+    table: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class VarlenRules:
+    """A varlen call's checked score rules: each query at position p sees keys
+    p − left … p + right (None: unbounded; causal is right = 0)."""
+
+    scale: float
+    left: int | None
+    right: int | None
+    softcap: float | None
+    alibi_slopes: torch.Tensor | None  # (H_q,)
+    sinks: torch.Tensor | None  # (H_q,)
+
+
+def rows(packing: Packing, rules: VarlenRules) -> torch.Tensor:
+    """(T_q, 4) int64 per query token: its sequence, the first and one past the last key it may
+    see among its sequence's keys, and its position p (its diagonal)."""
+    q_len = torch.tensor(packing.q_len, dtype=torch.long)
+    k_len = torch.tensor(packing.k_len, dtype=torch.long)
+    q_start = torch.tensor(packing.q_start, dtype=torch.long)
+    sequence = torch.repeat_interleave(torch.arange(len(packing.q_len)), q_len)  # (T_q,)
+    local = torch.arange(sequence.numel()) - q_start[sequence]
+    length = k_len[sequence]
+    position = local + length - q_len[sequence]
+    lo = torch.zeros_like(position)
+    hi = length.clone()
+    if rules.left is not None:
+        lo = torch.clamp(position - rules.left, min=0)
+    if rules.right is not None:
+        hi = torch.minimum(hi, position + rules.right + 1)
+    hi = torch.maximum(hi, lo)  # a row that sees nothing: an empty range
+    return torch.stack([sequence, torch.minimum(lo, length), hi, position], dim=1)
+
+
+def kernel_ranges(packing: Packing, rules: VarlenRules) -> torch.Tensor:
+    """(1, T_q, 3) int64 as the kernel takes them: each row's packed keys [lo, hi) and its ALiBi
+    shift (distance i + shift − j for packed row i and packed key j)."""
+    table = rows(packing, rules)
+    sequence, lo, hi, position = table.unbind(dim=1)
+    k_start = torch.tensor(packing.k_start, dtype=torch.long)[sequence]
+    packed_row = torch.arange(sequence.numel())
+    shift = position + k_start - packed_row
+    return torch.stack([lo + k_start, hi + k_start, shift], dim=1)[None].contiguous()
+
+
+def packed(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    packing: Packing,
+    rules: VarlenRules,
+    want_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (T_q, H_q, Dv) in query's dtype and lse (H_q, T_q): on the kernel where it takes the
+    call, else sequence by sequence."""
+    lse_grad = want_lse and torch.is_grad_enabled() and _any_grad(query, key, value, rules)
+    q4, k4, v4 = (x.transpose(0, 1)[None] for x in (query, key, value))  # (1, H, T, D) views
+    if lse_grad or not kernel.takes(q4, k4, v4):
+        return one_by_one(query, key, value, packing, rules)
+    ranges = kernel_ranges(packing, rules)
+    slopes = rules.alibi_slopes
+    options = _Options(rules.scale, ranges, rules.softcap, slopes is not None)
+    out, lse = _Packed.apply(q4, k4, v4, rules.sinks, slopes, options)  # type: ignore[no-untyped-call]
+    return out[0].transpose(0, 1).to(query.dtype), lse[0]
+
+
+def _any_grad(*xs: Any) -> bool:
+    tensors = [*xs[:3], xs[3].alibi_slopes, xs[3].sinks]
+    return any(x is not None and x.requires_grad for x in tensors)
+
+
+def one_by_one(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    packing: Packing,
+    rules: VarlenRules,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence alone through ``qkv.attention`` (causal and window bottom-right, ALiBi
+    aligned the same way): the exact path, and what the kernel path is tested against."""
+    from qkv.functional import attention  # (the functional layer imports the backends)
+
+    window = None if rules.left is None and rules.right is None else (rules.left, rules.right)
+    outs, lses = [], []
+    for q0, lq, k0, lk in zip(packing.q_start, packing.q_len, packing.k_start, packing.k_len):
+        if lq == 0:
+            continue
+        q, k, v = (x.transpose(0, 1) for x in (query[q0 : q0 + lq], key[k0 : k0 + lk],
+                                               value[k0 : k0 + lk]))
+        out, lse = attention(
+            q, k, v, scale=rules.scale, window=window, softcap=rules.softcap,
+            alibi_slopes=rules.alibi_slopes, sinks=rules.sinks, return_lse=True,
+        )  # (H_q, lq, Dv), (H_q, lq)
+        outs.append(out.transpose(0, 1))
+        lses.append(lse)
+    hq, dv = query.shape[1], value.shape[-1]
+    if not outs:
+        lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+        empty = query.new_zeros(0, hq, dv)
+        return empty, torch.zeros(hq, 0, dtype=lse_dtype, device=query.device)
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+
+
+def paged(
+    query: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    packing: Packing,
+    rules: VarlenRules,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (T_q, H_q, Dv) and lse (H_q, T_q) against a paged pool, read where its pages lie."""
+    assert packing.table is not None
+    table = rows(packing, rules)
+    out, lse = paged_reading.attend(query, pool_k, pool_v, packing.table, table, rules)
+    if rules.sinks is not None:
+        from qkv.backends.flash import with_sinks
+
+        out4, lse4 = with_sinks(out.transpose(0, 1)[None], lse[None], rules.sinks)
+        out, lse = out4[0].transpose(0, 1), lse4[0]
+    return out.to(query.dtype), lse
+
+
+@dataclass(frozen=True)
+class _Options:
+    scale: float
+    ranges: torch.Tensor  # (1, T_q, 3)
+    softcap: float | None
+    has_slopes: bool
+
+
+def _slopes(slopes: torch.Tensor | None) -> torch.Tensor | None:
+    return None if slopes is None else slopes.detach().to(torch.float32).contiguous().cpu()
+
+
+class _Packed(torch.autograd.Function):
+    """A packed batch on the kernel: saves q, k, v, out and lse; the backward pass is the
+    kernel's, with the same per-row key ranges and ALiBi shifts."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None,
+        slopes: torch.Tensor | None,
+        options: _Options,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from qkv.backends.flash import with_sinks
+
+        ranges = (options.ranges, q.shape[1])
+        result = kernel.forward(q, k, v, options.scale, None, ranges, options.softcap,
+                                _slopes(slopes))
+        assert result is not None  # packed() asked kernel.takes
+        out, lse = result
+        if sinks is not None:
+            out, lse = with_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, slopes)
+        ctx.options = options
+        ctx.mark_non_differentiable(lse)  # (a gradient through lse runs one_by_one)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor, _: torch.Tensor) -> tuple[Any, ...]:
+        from qkv.backends.flash import sink_gradient
+
+        q, k, v, out, lse, sinks, slopes = ctx.saved_tensors
+        options: _Options = ctx.options
+        ranges = (options.ranges, q.shape[1])
+        result = kernel.backward(q, k, v, out, grad_out, lse, options.scale, None, ranges,
+                                 options.softcap, _slopes(slopes))
+        assert result is not None
+        dq, dk, dv, dslopes = result
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            dsinks = sink_gradient(out, lse, grad_out, None, sinks)
+        if slopes is not None and dslopes is not None:
+            dslopes = dslopes.to(slopes.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, dslopes, None
