@@ -290,3 +290,16 @@ def test_a_step_is_known_by_its_write_indices() -> None:
     assert not hf_paged.is_continuous_batching(
         {"cu_seq_lens_q": torch.zeros(1)}
     )  # packed, no cache
+
+
+def test_the_continuous_batching_benchmark_runs_and_compares_tokens() -> None:
+    from qkv.bench import continuous
+
+    lengths = continuous.prompt_lengths(5, 4, 64)
+    assert sorted(lengths) == [4, 8, 16, 32, 64]
+    with pytest.raises(ValueError, match="shortest"):
+        continuous.prompt_lengths(3, 8, 4)
+    result = continuous.continuous_benchmark(3, new_tokens=2, shortest=2, longest=9, repeats=1)
+    assert result["same_tokens"] is True
+    assert set(result["tokens_per_second"]) == {"qkv", "sdpa"}
+    assert "tokens/s" in continuous.format_continuous(result)

@@ -9,6 +9,7 @@
     qkv bench --auto                            # the calls that decide what "auto" picks
     qkv bench --arguments 4096                  # sinks, softcap, ALiBi, windows, documents
     qkv bench --isa avx2                        # flash's AVX2 build, torch held to AVX2 too
+    qkv bench --continuous                      # transformers' generate_batch: qkv vs sdpa
 
 The table goes to stdout; one progress line per case goes to stderr as the run goes on.
 """
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 
 from qkv.backends.flash import kernel
-from qkv.bench import arguments, auto, cases, decode, isa, memory, report, runs, timing
+from qkv.bench import arguments, auto, cases, continuous, decode, isa, memory, report, runs, timing
 
 MATMUL_BUDGET_S = 1.0  # the whole matrix-multiply probe, all dtypes together
 
@@ -113,6 +114,16 @@ def configure_only_modes(parser: argparse.ArgumentParser) -> None:
         help="only: what sinks, softcap, alibi_slopes, window and segments cost on flash, "
         "against the plain causal call at length T (default 4096)",
     )
+    add(
+        "--continuous",
+        type=positive,
+        nargs="?",
+        const=32,
+        default=None,
+        metavar="N",
+        help="only: transformers' generate_batch of N requests (default 32, prompts of 16 to "
+        '512 tokens, 32 new tokens each) on attn_implementation="qkv" against "sdpa"',
+    )
     add("--worker", help=argparse.SUPPRESS)
 
 
@@ -148,6 +159,11 @@ def run(args: argparse.Namespace) -> int:
     elif args.auto:
         record["auto"] = auto.auto_benchmark(args.repeats)
         print(auto.format_auto(record["auto"]))
+    elif args.continuous is not None:
+        record["continuous"] = continuous.continuous_benchmark(
+            args.continuous, repeats=args.repeats
+        )
+        print(continuous.format_continuous(record["continuous"]))
     elif args.arguments is not None:
         rows = arguments.arguments_benchmark(args.arguments, shape, args.repeats, args.passes)
         record["arguments"] = rows

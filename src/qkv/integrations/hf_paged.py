@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from qkv.varlen import varlen_attn
+
 __all__ = ["accept_continuous_batching", "is_continuous_batching", "paged_attention_forward"]
 
 
@@ -70,7 +72,7 @@ def paged_attention_forward(
     if sinks is None:
         sinks = kwargs.get("sinks")
     hq, hkv = query.shape[1], key.shape[1]
-    out = _varlen_attn(
+    out = varlen_attn(
         query[0].transpose(0, 1),  # (T, Hq, D)
         key[0].transpose(0, 1),  # (S, Hkv, D)
         value[0].transpose(0, 1),
@@ -83,7 +85,9 @@ def paged_attention_forward(
         enable_gqa=hq != hkv,
         softcap=kwargs.get("softcap") or None,  # 0: none, as in FlashAttention
         sinks=sinks,
+        causal=True,
     )
+    assert isinstance(out, torch.Tensor)  # no return_aux: the output alone
     return out.unsqueeze(0), None  # (1, T, Hq, D)
 
 
@@ -160,61 +164,6 @@ def _group_window(module: torch.nn.Module) -> int | None:
     if layer_idx not in group_layers_by_attn_type(config).get("sliding_attention", []):
         return None
     return int(config.sliding_window)
-
-
-def _varlen_attn(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cu_seq_q: torch.Tensor,
-    cu_seq_k: torch.Tensor,
-    max_q: int,
-    max_k: int,
-    **options: Any,
-) -> torch.Tensor:
-    """``qkv.varlen_attn`` with causal bottom-right per sequence: (T, Hq, D) → (T, Hq, D)."""
-    try:
-        from qkv.varlen import varlen_attn  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:  # TEMPORARY until qkv.varlen lands: one qkv.attention call per sequence
-        return _by_sequence(query, key, value, cu_seq_q.tolist(), cu_seq_k.tolist(), **options)
-    result = varlen_attn(
-        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal=True, **options
-    )
-    out: torch.Tensor = result[0] if isinstance(result, tuple) else result
-    return out
-
-
-def _by_sequence(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cu_q: list[int],
-    cu_k: list[int],
-    **options: Any,
-) -> torch.Tensor:
-    """TEMPORARY: the varlen call as one ``qkv.attention`` call per sequence."""
-    from qkv.functional import attention
-
-    left = options["window_size"][0]
-    out = query.new_zeros(query.shape[0], query.shape[1], value.shape[-1])
-    for i in range(len(cu_q) - 1):
-        q = query[cu_q[i] : cu_q[i + 1]].transpose(0, 1)
-        k = key[cu_k[i] : cu_k[i + 1]].transpose(0, 1)
-        v = value[cu_k[i] : cu_k[i + 1]].transpose(0, 1)
-        if q.shape[1] == 0:
-            continue
-        o = attention(
-            q,
-            k,
-            v,
-            causal=True,
-            scale=options["scale"],
-            window=(left, 0) if left >= 0 else None,
-            softcap=options["softcap"],
-            sinks=options["sinks"],
-        )
-        out[cu_q[i] : cu_q[i + 1]] = o.transpose(0, 1)
-    return out
 
 
 def accept_continuous_batching(registered: set[str]) -> None:
