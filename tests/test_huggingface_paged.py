@@ -4,9 +4,9 @@ Small random models, float32, no network. qkv against transformers' own continuo
 ("sdpa", which masks each step with a dense (T, S) mask) gives the same greedy tokens and the
 same log-probabilities of each token; with prompts chunked (``max_batch_tokens`` below the
 longest prompt), so that a step holds prefill chunks whose queries are the last of their keys
-beside one-token decodes. A sliding-window model (every layer sliding) and a Gemma 2 model
-(sliding and full layers, softcap) run too; Gemma 2 against ordinary greedy generation on
-"eager" (its truth: transformers' paged eager drops the softcap). One packed step is checked
+beside one-token decodes. A sliding-window model (every layer sliding) runs too, and Gemma 2
+(softcap) and gpt-oss (sinks), sliding and full layers, against ordinary greedy generation on
+"eager". One packed step is checked
 against a float64 oracle per request, and shown to differ from the top-left alignment.
 """
 
@@ -120,15 +120,33 @@ def test_sliding_window_model_matches_sdpa() -> None:
     assert_same_generation(ours, theirs)
 
 
-def test_gemma2_sliding_and_full_layers_match_greedy_generation() -> None:
-    """Gemma 2: sliding (window 5) and full layers, scores soft-capped (weights large enough
-    for the cap to matter); each request generated alone with transformers' ordinary greedy
-    loop on "eager" is the truth, tokens and log-probabilities."""
+def _gemma2() -> Any:
     config = transformers.Gemma2Config(
         **_config(sliding_window=5, attn_logit_softcapping=1.0, initializer_range=0.3)
     )
-    model = _model(transformers.Gemma2ForCausalLM, config)
-    assert list(config.layer_types) == ["sliding_attention", "full_attention"]
+    return _model(transformers.Gemma2ForCausalLM, config)
+
+
+def _gpt_oss() -> Any:
+    config = transformers.GptOssConfig(
+        **_config(sliding_window=5, num_local_experts=4, num_experts_per_tok=2),
+        initializer_range=0.3,
+    )
+    model = _model(transformers.GptOssForCausalLM, config)
+    with torch.no_grad():  # sinks that matter (they start at 0)
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(2))
+    return model
+
+
+@pytest.mark.parametrize("make", [_gemma2, _gpt_oss], ids=["gemma2-softcap", "gpt_oss-sinks"])
+def test_sliding_and_full_layers_match_greedy_generation(make: Any) -> None:
+    """Gemma 2 (scores soft-capped) and gpt-oss (a sink per head): sliding (window 5) and full
+    layers, weights large enough for the cap and sinks to matter; each request generated alone
+    with transformers' ordinary greedy loop on "eager" is the truth, tokens and
+    log-probabilities (transformers' paged eager drops the softcap; its sdpa takes neither)."""
+    model = make()
+    assert list(model.config.layer_types) == ["sliding_attention", "full_attention"]
     prompts = _prompts((3, 11, 7, 16))
     ours = _generate_batch(model, NAME, prompts, max_batch_tokens=8)
     model.set_attn_implementation("eager")
