@@ -179,4 +179,110 @@ class PagedKVCache:
                     "torch.no_grad() or append a detached tensor"
                 )
         if k.shape[0] != v.shape[0]:
-            raise ValueError(f"k and v must hold the same L tokens, got {k.shape[0]} and {v.shape[0]}")
+            raise ValueError(
+                f"k and v must hold the same L tokens, got {k.shape[0]} and {v.shape[0]}"
+            )
+
+
+def attention_with_paged_cache(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cache: PagedKVCache,
+    sequences: Sequence[Hashable] | None,
+    options: dict[str, Any],
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``qkv.attention_with_cache`` for a ``PagedKVCache``: batch entry b of q (B, Hq, L, D),
+    k_new (B, H_kv, L, D) and v_new (B, H_kv, L, Dv) is sequence ``sequences[b]`` (default b);
+    its L keys and values are appended, then its queries attend to all its tokens through
+    ``varlen_attn`` reading the pages in place. Returns out (B, Hq, L, Dv) [, lse (B, Hq, L)].
+    A call refused for a bad argument leaves the cache unchanged."""
+    from qkv.varlen import AuxRequest, varlen_attn
+
+    for name, x in (("q", q), ("k_new", k_new), ("v_new", v_new)):
+        _checks.tensor(name, x, ndims=(4,))
+    b, hq, length = q.shape[0], q.shape[1], q.shape[2]
+    if k_new.shape[0] != b or k_new.shape[2] != length or v_new.shape[:3] != k_new.shape[:3]:
+        raise ValueError(
+            f"q (B, Hq, L, D), k_new (B, H_kv, L, D) and v_new (B, H_kv, L, Dv) must share B and "
+            f"L, got q {_checks.shape_str(q.shape)}, k_new {_checks.shape_str(k_new.shape)}, "
+            f"v_new {_checks.shape_str(v_new.shape)}"
+        )
+    seqs = list(range(b)) if sequences is None else list(sequences)
+    if len(seqs) != b or len(set(seqs)) != b:
+        raise ValueError(f"sequences must name the B = {b} batch entries once each, got {seqs!r}")
+    keywords = _varlen_options(options)
+    before = {seq: cache.length(seq) if seq in cache else 0 for seq in seqs}
+    try:
+        for index, seq in enumerate(seqs):
+            cache.append(seq, k_new[index].transpose(0, 1), v_new[index].transpose(0, 1))
+        lengths = cache.lengths(seqs)
+        cu_seq_q = torch.arange(0, b * length + 1, max(length, 1), dtype=torch.int32)[: b + 1]
+        result = varlen_attn(
+            q.permute(0, 2, 1, 3).reshape(b * length, hq, q.shape[-1]),
+            cache.keys,
+            cache.values,
+            cu_seq_q.to(q.device),
+            None,
+            length,
+            int(lengths.max()) if b else 0,
+            seqused_k=lengths,
+            block_table=cache.block_table(seqs),
+            enable_gqa=True,
+            return_aux=AuxRequest(lse=bool(options["return_lse"])),
+            **keywords,
+        )
+    except Exception:
+        for seq, count in before.items():  # undo this call's appends
+            if seq in cache:
+                cache.truncate(seq, count)
+        raise
+    out, lse = result if isinstance(result, tuple) else (result, None)
+    out = out.view(b, length, hq, -1).permute(0, 2, 1, 3)
+    if lse is None:
+        return out
+    return out, lse.view(hq, b, length).permute(1, 0, 2)
+
+
+def _varlen_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``attention_with_cache``'s keywords as ``varlen_attn``'s, refusing what a paged cache
+    does not do (a mask, dropout, weights, segments, top-left causal)."""
+    refused = {"mask": None, "dropout_p": 0.0, "return_weights": False, "segments": None}
+    for name, default in refused.items():
+        value = options[name]
+        if (value is not None) if default is None else (value != default):
+            raise ValueError(
+                f"{name} is not supported with a PagedKVCache (use a KVCache, "
+                f"or leave {name} at {default!r})"
+            )
+    if options["backend"] not in ("auto", "flash"):
+        raise ValueError(
+            f'backend={options["backend"]!r} cannot read a PagedKVCache\'s pages; use "auto" '
+            'or "flash"'
+        )
+    causal = options["causal"]
+    _checks.choice("causal", causal, (False, True, "bottom-right", "top-left"))
+    if causal == "top-left":
+        raise ValueError(
+            'causal="top-left" is not supported with a PagedKVCache (decoding '
+            "aligns the last query with the last key: use causal=True)"
+        )
+    window = options["window"]
+    window_size = (-1, -1)
+    if window is not None:
+        checked = _checks.window("window", window, causal)
+        left, right = (checked - 1, 0) if isinstance(checked, int) else checked
+        window_size = (-1 if left is None else left, -1 if right is None else right)
+    alibi = options["alibi_slopes"]
+    if alibi is not None and alibi.dim() != 1:
+        raise ValueError(
+            f"alibi_slopes must be (Hq,) with a PagedKVCache, got {tuple(alibi.shape)}"
+        )
+    return {
+        "scale": options["scale"],
+        "window_size": window_size,
+        "causal": causal is not False,
+        "softcap": options["softcap"],
+        "alibi_slopes": alibi,
+        "sinks": options["sinks"],
+    }

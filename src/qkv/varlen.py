@@ -21,14 +21,17 @@ P pages of page_size tokens.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, NamedTuple
 
 import torch
 
 from qkv import _checks
+from qkv.backends import dispatch
 from qkv.backends.base import default_scale
 from qkv.backends.flash import varlen as flash_varlen
-from qkv.backends.flash.varlen import Packing, VarlenRules
+from qkv.backends.flash.sequences import Packing, VarlenRules
+from qkv.canonical import canonical_call
 
 __all__ = ["AuxRequest", "varlen_attn"]
 
@@ -94,8 +97,54 @@ def varlen_attn(
         _refuse_gradients(query, key, value, alibi_slopes, sinks)
         out, lse = flash_varlen.paged(query, key, value, packing, rules)
     else:
-        out, lse = flash_varlen.packed(query, key, value, packing, rules, want_lse)
+        result = flash_varlen.packed(query, key, value, packing, rules, want_lse)
+        out, lse = result or one_by_one(query, key, value, packing, rules)
     return (out, lse) if want_lse else out
+
+
+def one_by_one(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    packing: Packing,
+    rules: VarlenRules,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence alone, as ``qkv.attention`` runs it (causal and window bottom-right, ALiBi
+    aligned the same way): the exact path where the kernel does not run."""
+    window = None if rules.left is None and rules.right is None else (rules.left, rules.right)
+    outs, lses = [], []
+    for q0, lq, k0, lk in zip(packing.q_start, packing.q_len, packing.k_start, packing.k_len):
+        if lq == 0:
+            continue
+        q, k, v = (
+            x.transpose(0, 1) for x in (query[q0 : q0 + lq], key[k0 : k0 + lk], value[k0 : k0 + lk])
+        )
+        call, _ = canonical_call(
+            q,
+            k,
+            v,
+            mask=None,
+            causal=False,
+            scale=rules.scale,
+            dropout_p=0.0,
+            return_weights=False,
+            backend="auto",
+            softcap=rules.softcap,
+            sinks=rules.sinks,
+            alibi_slopes=rules.alibi_slopes,
+            window=window,
+            return_lse=True,
+        )
+        out, _, lse = dispatch.run(call, "auto")  # (H_q, lq, Dv), (H_q, lq)
+        assert lse is not None
+        outs.append(out.transpose(0, 1))
+        lses.append(lse)
+    hq, dv = query.shape[1], value.shape[-1]
+    if not outs:
+        lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+        empty = query.new_zeros(0, hq, dv)
+        return empty, torch.zeros(hq, 0, dtype=lse_dtype, device=query.device)
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
 
 
 def _aux_lse(return_aux: Any) -> Any:
@@ -164,12 +213,12 @@ def _rules(
     hq = query.shape[1]
     if scale is None and query.shape[-1] == 0:
         raise ValueError("the default scale 1/sqrt(D) needs D >= 1; pass scale= explicitly")
-    scale = default_scale(query.shape[-1]) if scale is None else _checks.finite_float("scale", scale)
+    scale = (
+        default_scale(query.shape[-1]) if scale is None else _checks.finite_float("scale", scale)
+    )
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
-    left, right = (
-        _window_side(f"window_size[{i}]", side) for i, side in enumerate(window_size)
-    )
+    left, right = (_window_side(f"window_size[{i}]", side) for i, side in enumerate(window_size))
     if _checks.boolean("causal", causal):
         right = 0 if right is None else min(right, 0)
     heads = (hq,)
@@ -181,7 +230,9 @@ def _rules(
         alibi_slopes=None
         if alibi_slopes is None
         else _checks.head_values("alibi_slopes", alibi_slopes, query, heads, "(H_q,)"),
-        sinks=None if sinks is None else _checks.head_values("sinks", sinks, query, heads, "(H_q,)"),
+        sinks=None
+        if sinks is None
+        else _checks.head_values("sinks", sinks, query, heads, "(H_q,)"),
     )
 
 
@@ -245,7 +296,7 @@ def _packing(
     """Where each sequence's queries and keys lie, checked against the tensors."""
     q_bounds = _cumulative("cu_seq_q", cu_seq_q, query.shape[0], "T_q (query.shape[0])")
     n = len(q_bounds) - 1
-    q_lens = [b - a for a, b in zip(q_bounds, q_bounds[1:])]
+    q_lens = [b - a for a, b in itertools.pairwise(q_bounds)]
     _longest("max_q", q_lens, max_q, "queries")
     if block_table is not None:
         return _paged_packing(key, q_bounds, cu_seq_k, max_k, seqused_k, block_table)
@@ -257,7 +308,7 @@ def _packing(
             f"cu_seq_q and cu_seq_k must have the same length N + 1, got {n + 1} and "
             f"{len(k_bounds)}"
         )
-    k_lens = [b - a for a, b in zip(k_bounds, k_bounds[1:])]
+    k_lens = [b - a for a, b in itertools.pairwise(k_bounds)]
     if seqused_k is not None:
         used = _lengths("seqused_k", seqused_k, n)
         for i, (u, length) in enumerate(zip(used, k_lens)):
@@ -282,7 +333,9 @@ def _paged_packing(
     if block_table.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"block_table must be an int32 or int64 tensor, got {block_table.dtype}")
     if block_table.shape[0] != n:
-        raise ValueError(f"block_table must be (N, max_pages) with N = {n}, got {block_table.shape}")
+        raise ValueError(
+            f"block_table must be (N, max_pages) with N = {n}, got {block_table.shape}"
+        )
     if seqused_k is None:
         raise ValueError("block_table needs seqused_k: the keys each sequence holds in its pages")
     k_lens = _lengths("seqused_k", seqused_k, n)
@@ -290,9 +343,13 @@ def _paged_packing(
         _cumulative("cu_seq_k", cu_seq_k, int(cu_seq_k[-1]) if cu_seq_k.numel() else 0, "its end")
     _longest("max_k", k_lens, max_k, "keys")
     pages, page_size = pool.shape[0], pool.shape[1]
+    if page_size == 0:
+        raise ValueError(
+            f"key must be a pool (P, page_size, H_kv, D) with page_size >= 1, got {pool.shape}"
+        )
     table = block_table.to("cpu", torch.int64)
     for i, length in enumerate(k_lens):
-        held = -(-length // page_size) if page_size else (1 if length else 0)
+        held = -(-length // page_size)
         if held > table.shape[1]:
             raise ValueError(
                 f"seqused_k[{i}] = {length} needs {held} pages of {page_size}, but block_table "
@@ -301,8 +358,8 @@ def _paged_packing(
         used = table[i, :held]
         if held and bool(((used < 0) | (used >= pages)).any()):
             raise ValueError(
-                f"block_table[{i}] points outside the pool of {pages} pages: "
-                f"{used.tolist()[:8]}"
+                f"block_table[{i}] points outside the pool of {pages} pages: {used.tolist()[:8]}"
             )
-    return Packing(q_bounds[:-1], [b - a for a, b in zip(q_bounds, q_bounds[1:])],
-                   [0] * n, k_lens, table)
+    return Packing(
+        q_bounds[:-1], [b - a for a, b in itertools.pairwise(q_bounds)], [0] * n, k_lens, table
+    )

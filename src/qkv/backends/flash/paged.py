@@ -19,7 +19,7 @@ from qkv.backends.base import compute_dtype
 from qkv.backends.flash import kernel
 
 if TYPE_CHECKING:
-    from qkv.backends.flash.varlen import VarlenRules
+    from qkv.backends.flash.sequences import VarlenRules
 
 PAGES_PER_TILE = 16  # the Python loop's tile: 16 pages of keys at a time
 

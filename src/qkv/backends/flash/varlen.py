@@ -10,9 +10,9 @@ packed batch costs what its sequences cost alone. A third column gives each row 
 shift (the kernel's distance i + shift − j is then p − (j − k_start_i)).
 
 Where the kernel does not run (float64, another device, no kernel, or a gradient through the
-log-sum-exp) each sequence runs alone through ``qkv.attention``: the same rules, by definition.
-Paged pools are read in ``paged.py``. Legend: N sequences, T_q / T_k packed tokens, H_q / H_kv
-heads, D / Dv features.
+log-sum-exp) ``qkv.varlen`` runs each sequence alone: the same rules, by definition. Paged pools
+are read in ``paged.py``; ``sequences.py`` holds the batch's layout and each row's keys.
+Legend: N sequences, T_q / T_k packed tokens, H_q / H_kv heads, D / Dv features.
 """
 
 from __future__ import annotations
@@ -24,52 +24,7 @@ import torch
 
 from qkv.backends.flash import kernel
 from qkv.backends.flash import paged as paged_reading
-
-
-@dataclass(frozen=True)
-class Packing:
-    """Where each of N sequences lies: its first query and key token and its lengths (the keys
-    it uses); ``table`` (N, max_pages) int64 on the CPU for a paged call (keys then start at 0
-    in each sequence's pages)."""
-
-    q_start: list[int]
-    q_len: list[int]
-    k_start: list[int]
-    k_len: list[int]
-    table: torch.Tensor | None
-
-
-@dataclass(frozen=True)
-class VarlenRules:
-    """A varlen call's checked score rules: each query at position p sees keys
-    p − left … p + right (None: unbounded; causal is right = 0)."""
-
-    scale: float
-    left: int | None
-    right: int | None
-    softcap: float | None
-    alibi_slopes: torch.Tensor | None  # (H_q,)
-    sinks: torch.Tensor | None  # (H_q,)
-
-
-def rows(packing: Packing, rules: VarlenRules) -> torch.Tensor:
-    """(T_q, 4) int64 per query token: its sequence, the first and one past the last key it may
-    see among its sequence's keys, and its position p (its diagonal)."""
-    q_len = torch.tensor(packing.q_len, dtype=torch.long)
-    k_len = torch.tensor(packing.k_len, dtype=torch.long)
-    q_start = torch.tensor(packing.q_start, dtype=torch.long)
-    sequence = torch.repeat_interleave(torch.arange(len(packing.q_len)), q_len)  # (T_q,)
-    local = torch.arange(sequence.numel()) - q_start[sequence]
-    length = k_len[sequence]
-    position = local + length - q_len[sequence]
-    lo = torch.zeros_like(position)
-    hi = length.clone()
-    if rules.left is not None:
-        lo = torch.clamp(position - rules.left, min=0)
-    if rules.right is not None:
-        hi = torch.minimum(hi, position + rules.right + 1)
-    hi = torch.maximum(hi, lo)  # a row that sees nothing: an empty range
-    return torch.stack([sequence, torch.minimum(lo, length), hi, position], dim=1)
+from qkv.backends.flash.sequences import Packing, VarlenRules, rows
 
 
 def kernel_ranges(packing: Packing, rules: VarlenRules) -> torch.Tensor:
@@ -90,13 +45,14 @@ def packed(
     packing: Packing,
     rules: VarlenRules,
     want_lse: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """out (T_q, H_q, Dv) in query's dtype and lse (H_q, T_q): on the kernel where it takes the
-    call, else sequence by sequence."""
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """out (T_q, H_q, Dv) in query's dtype and lse (H_q, T_q) on the kernel; None where it
+    does not take the call (the caller then runs each sequence alone): float64, another
+    device, no kernel, or a gradient asked through the log-sum-exp."""
     lse_grad = want_lse and torch.is_grad_enabled() and _any_grad(query, key, value, rules)
     q4, k4, v4 = (x.transpose(0, 1)[None] for x in (query, key, value))  # (1, H, T, D) views
     if lse_grad or not kernel.takes(q4, k4, v4):
-        return one_by_one(query, key, value, packing, rules)
+        return None
     ranges = kernel_ranges(packing, rules)
     slopes = rules.alibi_slopes
     options = _Options(rules.scale, ranges, rules.softcap, slopes is not None)
@@ -107,38 +63,6 @@ def packed(
 def _any_grad(*xs: Any) -> bool:
     tensors = [*xs[:3], xs[3].alibi_slopes, xs[3].sinks]
     return any(x is not None and x.requires_grad for x in tensors)
-
-
-def one_by_one(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    packing: Packing,
-    rules: VarlenRules,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence alone through ``qkv.attention`` (causal and window bottom-right, ALiBi
-    aligned the same way): the exact path, and what the kernel path is tested against."""
-    from qkv.functional import attention  # (the functional layer imports the backends)
-
-    window = None if rules.left is None and rules.right is None else (rules.left, rules.right)
-    outs, lses = [], []
-    for q0, lq, k0, lk in zip(packing.q_start, packing.q_len, packing.k_start, packing.k_len):
-        if lq == 0:
-            continue
-        q, k, v = (x.transpose(0, 1) for x in (query[q0 : q0 + lq], key[k0 : k0 + lk],
-                                               value[k0 : k0 + lk]))
-        out, lse = attention(
-            q, k, v, scale=rules.scale, window=window, softcap=rules.softcap,
-            alibi_slopes=rules.alibi_slopes, sinks=rules.sinks, return_lse=True,
-        )  # (H_q, lq, Dv), (H_q, lq)
-        outs.append(out.transpose(0, 1))
-        lses.append(lse)
-    hq, dv = query.shape[1], value.shape[-1]
-    if not outs:
-        lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-        empty = query.new_zeros(0, hq, dv)
-        return empty, torch.zeros(hq, 0, dtype=lse_dtype, device=query.device)
-    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
 
 
 def paged(
@@ -189,15 +113,16 @@ class _Packed(torch.autograd.Function):
         from qkv.backends.flash import with_sinks
 
         ranges = (options.ranges, q.shape[1])
-        result = kernel.forward(q, k, v, options.scale, None, ranges, options.softcap,
-                                _slopes(slopes))
+        result = kernel.forward(
+            q, k, v, options.scale, None, ranges, options.softcap, _slopes(slopes)
+        )
         assert result is not None  # packed() asked kernel.takes
         out, lse = result
         if sinks is not None:
             out, lse = with_sinks(out, lse, sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks, slopes)
         ctx.options = options
-        ctx.mark_non_differentiable(lse)  # (a gradient through lse runs one_by_one)
+        ctx.mark_non_differentiable(lse)  # (packed() declines a gradient through lse)
         return out, lse
 
     @staticmethod
@@ -208,8 +133,19 @@ class _Packed(torch.autograd.Function):
         q, k, v, out, lse, sinks, slopes = ctx.saved_tensors
         options: _Options = ctx.options
         ranges = (options.ranges, q.shape[1])
-        result = kernel.backward(q, k, v, out, grad_out, lse, options.scale, None, ranges,
-                                 options.softcap, _slopes(slopes))
+        result = kernel.backward(
+            q,
+            k,
+            v,
+            out,
+            grad_out,
+            lse,
+            options.scale,
+            None,
+            ranges,
+            options.softcap,
+            _slopes(slopes),
+        )
         assert result is not None
         dq, dk, dv, dslopes = result
         dsinks = None
