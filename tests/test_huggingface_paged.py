@@ -303,6 +303,17 @@ def test_refusals_name_what_continuous_batching_on_qkv_cannot_do(
         huggingface.attention_forward(_Layer(), q, k, v, **arguments)
 
 
+def test_paged_prefix_means_the_same_name() -> None:
+    """transformers 5.x dropped its "paged|" prefix (but for paged|eager): "paged|qkv" loads as
+    "qkv", with transformers' own deprecation warning."""
+    config = transformers.LlamaConfig(**_config(num_hidden_layers=1))
+    with pytest.warns(FutureWarning, match="paged"):
+        model = transformers.LlamaForCausalLM._from_config(
+            config, attn_implementation=f"paged|{NAME}"
+        )
+    assert model.config._attn_implementation == NAME
+
+
 def test_a_step_is_known_by_its_write_indices() -> None:
     assert hf_paged.is_continuous_batching({"write_index": [], "cu_seq_lens_q": torch.zeros(1)})
     assert not hf_paged.is_continuous_batching(
