@@ -59,10 +59,12 @@ def paged_attention_forward(
     """One attention layer of a continuous-batching step, on ``qkv.varlen_attn``.
 
     Shapes: query (1, Hq, T, D); key, value (1, Hkv, S, D) as ``cache.update`` returned them;
-    ``kwargs`` carry ``cache``, ``cu_seq_lens_q`` (N + 1,), ``cu_seq_lens_k`` (N + 1,) and
-    ``max_length_q``/``max_length_k`` for this layer's cache group, and the layer's
-    ``sliding_window``, ``softcap`` and sinks (``s_aux``) if it has them. Causal, bottom-right
-    per request. Returns ``(out (1, T, Hq, D), None)``: no weights on this path.
+    ``kwargs`` carry ``cu_seq_lens_q`` (N + 1,), and ``cu_seq_lens_k`` (N + 1,) and
+    ``max_length_k`` of this layer's cache group (``cache.update`` chose them), ``max_length_q``,
+    and the layer's ``sliding_window``, ``softcap`` and sinks (``s_aux``) if it has them.
+    Causal, bottom-right per request. A padded step (T beyond ``cu_seq_lens_q[-1]``, as CUDA
+    graphs pad it) is refused by ``varlen_attn``'s check of ``cu_seq_q``. Returns
+    ``(out (1, T, Hq, D), None)``: no weights on this path.
     """
     _refuse_what_is_not_attention(module, query, attention_mask, dropout, kwargs)
     cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
