@@ -303,6 +303,16 @@ def test_refusals_name_what_continuous_batching_on_qkv_cannot_do(
         huggingface.attention_forward(_Layer(), q, k, v, **arguments)
 
 
+def test_a_padded_step_is_refused() -> None:
+    """CUDA graphs pad a step with queries past the last request (cu_seq_lens_q stops short)."""
+    generator = torch.Generator().manual_seed(6)
+    q, k, v, cu_q, cu_k = _step(generator)
+    padded = torch.cat([q, q[:, :, :2]], dim=2)  # two queries of no request
+    arguments = dict(cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=5, max_length_k=9)
+    with pytest.raises(ValueError, match="cu_seq_q"):
+        huggingface.attention_forward(_Layer(), padded, k, v, None, write_index=[], **arguments)
+
+
 def test_paged_prefix_means_the_same_name() -> None:
     """transformers 5.x dropped its "paged|" prefix (but for paged|eager): "paged|qkv" loads as
     "qkv", with transformers' own deprecation warning."""
