@@ -86,7 +86,9 @@ def _generate_batch(
     return dict(outputs)
 
 
-def assert_same_generation(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
+def assert_same_generation(
+    ours: dict[str, Any], theirs: dict[str, Any], atol: float = LOGPROB_ATOL
+) -> None:
     """Same tokens and, token by token, the same log-probabilities (float32 tolerance)."""
     assert ours.keys() == theirs.keys()
     for request_id in ours:
@@ -94,18 +96,24 @@ def assert_same_generation(ours: dict[str, Any], theirs: dict[str, Any]) -> None
         torch.testing.assert_close(
             torch.tensor(ours[request_id].logprobs),
             torch.tensor(theirs[request_id].logprobs),
-            atol=LOGPROB_ATOL,
+            atol=atol,
             rtol=0,
         )
 
 
-@pytest.mark.parametrize("max_batch_tokens", [256, 16], ids=["whole-prompts", "chunked"])
-def test_generate_batch_matches_sdpa(max_batch_tokens: int) -> None:
-    model = _model(transformers.LlamaForCausalLM, transformers.LlamaConfig(**_config()))
+@pytest.mark.parametrize(
+    ("max_batch_tokens", "dtype"),
+    [(256, torch.float32), (16, torch.float32), (16, torch.float16)],
+    ids=["whole-prompts", "chunked", "chunked-float16"],
+)
+def test_generate_batch_matches_sdpa(max_batch_tokens: int, dtype: torch.dtype) -> None:
+    config = transformers.LlamaConfig(**_config())
+    model = _model(transformers.LlamaForCausalLM, config).to(dtype)
     prompts = _prompts()
     theirs = _generate_batch(model, "sdpa", prompts, max_batch_tokens)
     ours = _generate_batch(model, NAME, prompts, max_batch_tokens)
-    assert_same_generation(ours, theirs)
+    atol = LOGPROB_ATOL if dtype == torch.float32 else 2e-3  # float16: its rounding, twice
+    assert_same_generation(ours, theirs, atol)
     assert all(len(output.generated_tokens) == 12 for output in ours.values())
 
 
@@ -229,12 +237,19 @@ def _step(generator: torch.Generator) -> tuple[torch.Tensor, ...]:
     return q, k, v, cu_q, cu_k
 
 
+# dtype: the tolerance of its output against float64 (a few units of its last place)
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
 @pytest.mark.parametrize("window", [None, 3])
-def test_one_packed_step_against_float64_per_request(window: int | None) -> None:
-    """Each request's queries are the last of its keys (bottom-right), grouped-query heads;
-    top-left alignment (each request's first query against its first key) differs."""
+def test_one_packed_step_against_float64_per_request(
+    window: int | None, dtype: torch.dtype
+) -> None:
+    """Each request's queries are the last of its keys (bottom-right), grouped-query heads, in
+    every dtype; top-left alignment (each request's first query against its first key) differs."""
     generator = torch.Generator().manual_seed(3)
-    q, k, v, cu_q, cu_k = _step(generator)
+    q, k, v, cu_q, cu_k = (x.to(dtype) if x.is_floating_point() else x for x in _step(generator))
     kwargs = dict(
         cu_seq_lens_q=cu_q,
         cu_seq_lens_k=cu_k,
@@ -244,15 +259,15 @@ def test_one_packed_step_against_float64_per_request(window: int | None) -> None
         sliding_window=window,
     )
     out, weights = huggingface.attention_forward(_Layer(), q, k, v, None, scaling=0.3, **kwargs)
-    assert weights is None and out.shape == (1, q.shape[2], 4, 8)
-    wrong = False
+    assert weights is None and out.shape == (1, q.shape[2], 4, 8) and out.dtype == dtype
+    wrong, tolerance = False, TOLERANCE[dtype]
     for i, (lq, _) in enumerate(STEP):
         if lq == 0:
             continue
         a, b, c, d = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
         parts = (q[0, :, a:b], k[0, :, c:d], v[0, :, c:d])
         expected = _oracle(*parts, 0.3, window=window)
-        torch.testing.assert_close(out[0, a:b].double(), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[0, a:b].double(), expected, atol=tolerance, rtol=tolerance)
         top_left = _oracle(*parts, 0.3, window=window, top_left=True)
         wrong |= not torch.allclose(top_left, expected, atol=1e-3)
     assert wrong, "the step cannot tell bottom-right from top-left alignment"
