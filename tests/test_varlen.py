@@ -334,3 +334,14 @@ I32 = torch.int32
 def test_errors_name_the_argument(call: dict[str, Any], error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         qkv.varlen_attn(**call)
+
+
+def test_the_varlen_benchmark_runs_and_agrees() -> None:
+    """``qkv bench --varlen`` at a small size: lengths spread as said, both calls agree."""
+    from qkv.bench import varlen as bench
+
+    assert bench.lengths(16) == sorted(bench.lengths(16))
+    assert bench.lengths(16)[0] == 64 and bench.lengths(16)[-1] == 4096
+    result = bench.varlen_benchmark(heads=2, dim=8, repeats=1, sequences=3, shortest=4, longest=40)
+    assert result["lengths"] == [4, 13, 40] and result["max_abs_difference"] < 1e-5
+    assert result["speedup"] > 0
