@@ -345,3 +345,38 @@ def test_the_varlen_benchmark_runs_and_agrees() -> None:
     result = bench.varlen_benchmark(heads=2, dim=8, repeats=1, sequences=3, shortest=4, longest=40)
     assert result["lengths"] == [4, 13, 40] and result["max_abs_difference"] < 1e-5
     assert result["speedup"] > 0
+
+
+def test_empty_batches() -> None:
+    """No sequences at all, and queries with no keys anywhere (T_k = 0): empty output, or zeros
+    with lse −inf and a zero gradient."""
+    none = torch.zeros(1, dtype=torch.int32)
+    out, lse = qkv.varlen_attn(
+        torch.zeros(0, 4, 8),
+        torch.zeros(0, 2, 8),
+        torch.zeros(0, 2, 8),
+        none,
+        none,
+        0,
+        0,
+        enable_gqa=True,
+        return_aux=AuxRequest(lse=True),
+    )
+    assert out.shape == (0, 4, 8) and lse.shape == (4, 0)
+    query = torch.randn(3, 4, 8, requires_grad=True)
+    cu_q, cu_k = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 0], dtype=torch.int32)
+    out, lse = qkv.varlen_attn(
+        query,
+        torch.zeros(0, 2, 8),
+        torch.zeros(0, 2, 8),
+        cu_q,
+        cu_k,
+        3,
+        0,
+        enable_gqa=True,
+        causal=True,
+        return_aux=AuxRequest(lse=True),
+    )
+    out.sum().backward()
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == -math.inf).all())
+    assert query.grad is not None and torch.equal(query.grad, torch.zeros_like(query))

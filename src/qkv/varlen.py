@@ -339,27 +339,40 @@ def _paged_packing(
     if seqused_k is None:
         raise ValueError("block_table needs seqused_k: the keys each sequence holds in its pages")
     k_lens = _lengths("seqused_k", seqused_k, n)
-    if cu_seq_k is not None:
-        _cumulative("cu_seq_k", cu_seq_k, int(cu_seq_k[-1]) if cu_seq_k.numel() else 0, "its end")
+    if cu_seq_k is not None:  # (the keys' lengths are seqused_k's; cu_seq_k only checked)
+        _checks.tensor("cu_seq_k", cu_seq_k, ndims=(1,))
+        end = int(cu_seq_k[-1]) if cu_seq_k.numel() else 0
+        if len(_cumulative("cu_seq_k", cu_seq_k, end, "its end")) != n + 1:
+            raise ValueError(f"cu_seq_k must have length N + 1 = {n + 1}, got {cu_seq_k.numel()}")
     _longest("max_k", k_lens, max_k, "keys")
     pages, page_size = pool.shape[0], pool.shape[1]
     if page_size == 0:
         raise ValueError(
-            f"key must be a pool (P, page_size, H_kv, D) with page_size >= 1, got {pool.shape}"
+            f"key must be a pool (P, page_size, H_kv, D) with page_size >= 1, got "
+            f"{_checks.shape_str(pool.shape)}"
         )
     table = block_table.to("cpu", torch.int64)
-    for i, length in enumerate(k_lens):
-        held = -(-length // page_size)
-        if held > table.shape[1]:
-            raise ValueError(
-                f"seqused_k[{i}] = {length} needs {held} pages of {page_size}, but block_table "
-                f"holds {table.shape[1]} per sequence"
-            )
-        used = table[i, :held]
-        if held and bool(((used < 0) | (used >= pages)).any()):
-            raise ValueError(
-                f"block_table[{i}] points outside the pool of {pages} pages: {used.tolist()[:8]}"
-            )
+    _check_pages(table, k_lens, pages, page_size)
     return Packing(
         q_bounds[:-1], [b - a for a, b in itertools.pairwise(q_bounds)], [0] * n, k_lens, table
     )
+
+
+def _check_pages(table: torch.Tensor, k_lens: list[int], pages: int, page_size: int) -> None:
+    """Every sequence holds the pages its keys need, all inside the pool (N, max_pages)."""
+    held = (torch.tensor(k_lens, dtype=torch.long) + page_size - 1) // page_size  # (N,)
+    short = (held > table.shape[1]).nonzero().flatten().tolist()
+    if short:
+        i = short[0]
+        raise ValueError(
+            f"seqused_k[{i}] = {k_lens[i]} needs {int(held[i])} pages of {page_size}, but "
+            f"block_table holds {table.shape[1]} per sequence"
+        )
+    used = torch.arange(table.shape[1]) < held[:, None]  # (N, max_pages): the pages read
+    outside = (used & ((table < 0) | (table >= pages))).any(dim=1).nonzero().flatten().tolist()
+    if outside:
+        i = outside[0]
+        raise ValueError(
+            f"block_table[{i}] points outside the pool of {pages} pages: "
+            f"{table[i, : int(held[i])].tolist()[:8]}"
+        )

@@ -55,7 +55,7 @@ def packed(
         return None
     ranges = kernel_ranges(packing, rules)
     slopes = rules.alibi_slopes
-    options = _Options(rules.scale, ranges, rules.softcap, slopes is not None)
+    options = _Options(rules.scale, ranges, rules.softcap)
     out, lse = _Packed.apply(q4, k4, v4, rules.sinks, slopes, options)  # type: ignore[no-untyped-call]
     return out[0].transpose(0, 1).to(query.dtype), lse[0]
 
@@ -89,7 +89,6 @@ class _Options:
     scale: float
     ranges: torch.Tensor  # (1, T_q, 3)
     softcap: float | None
-    has_slopes: bool
 
 
 def _slopes(slopes: torch.Tensor | None) -> torch.Tensor | None:
