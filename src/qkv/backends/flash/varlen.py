@@ -49,7 +49,7 @@ def packed(
     """out (T_q, H_q, Dv) in query's dtype and lse (H_q, T_q) on the kernel; None where it
     does not take the call (the caller then runs each sequence alone): float64, another
     device, no kernel, or a gradient asked through the log-sum-exp."""
-    lse_grad = want_lse and torch.is_grad_enabled() and _any_grad(query, key, value, rules)
+    lse_grad = want_lse and torch.is_grad_enabled() and _needs_grad(query, key, value, rules)
     q4, k4, v4 = (x.transpose(0, 1)[None] for x in (query, key, value))  # (1, H, T, D) views
     if lse_grad or not kernel.takes(q4, k4, v4):
         return None
@@ -60,8 +60,10 @@ def packed(
     return out[0].transpose(0, 1).to(query.dtype), lse[0]
 
 
-def _any_grad(*xs: Any) -> bool:
-    tensors = [*xs[:3], xs[3].alibi_slopes, xs[3].sinks]
+def _needs_grad(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rules: VarlenRules
+) -> bool:
+    tensors = (query, key, value, rules.alibi_slopes, rules.sinks)
     return any(x is not None and x.requires_grad for x in tensors)
 
 
