@@ -68,16 +68,22 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     return str(request.param)
 
 
+# A decoding batch: fewer than 16 query rows in all, the kernel's one-row-at-a-time path.
+DECODE_Q_LENS, DECODE_K_LENS = [1, 1, 2, 0, 1], [5, 9, 3, 2, 0]
+
+
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_forward_matches_the_oracle(rule: str, dtype: torch.dtype, path: str) -> None:
+@pytest.mark.parametrize("lengths", ["prefill", "decode"])
+def test_forward_matches_the_oracle(rule: str, dtype: torch.dtype, lengths: str, path: str) -> None:
     ours, theirs = RULES[rule]
-    b = batch(Q_LENS, K_LENS, dtype=dtype)
+    q_lens, k_lens = (Q_LENS, K_LENS) if lengths == "prefill" else (DECODE_Q_LENS, DECODE_K_LENS)
+    b = batch(q_lens, k_lens, dtype=dtype)
     out, lse = run(b, **ours)
     expected_out, expected_lse = oracle(b, **theirs)
     atol, rtol = TOLERANCE[dtype]
-    assert out.dtype == dtype and out.shape == (sum(Q_LENS), 4, 8)
-    assert lse.shape == (4, sum(Q_LENS))
+    assert out.dtype == dtype and out.shape == (sum(q_lens), 4, 8)
+    assert lse.shape == (4, sum(q_lens))
     torch.testing.assert_close(out.double(), expected_out, atol=atol, rtol=rtol)
     torch.testing.assert_close(lse.double(), expected_lse, atol=atol * 10, rtol=rtol)
 
