@@ -222,7 +222,7 @@ def test_register_returns_the_name_and_refuses_transformers_own() -> None:
         huggingface.register("")
 
 
-def test_softcap_and_sinks_are_arguments_and_paged_caches_an_error() -> None:
+def test_softcap_and_sinks_are_arguments() -> None:
     generator = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, 3, 4, generator=generator) for _ in range(3))
     sinks = torch.randn(2, generator=generator)
@@ -232,12 +232,6 @@ def test_softcap_and_sinks_are_arguments_and_paged_caches_an_error() -> None:
     assert not torch.allclose(out, qkv.attention(q, k, v, causal=True).transpose(1, 2))
     uncapped, _ = huggingface.attention_forward(_Layer(True), q, k, v, None, softcap=0.0)
     torch.testing.assert_close(uncapped, qkv.attention(q, k, v, causal=True).transpose(1, 2))
-
-    class PagedAttentionCache:
-        pass
-
-    with pytest.raises(ValueError, match="paged caches"):
-        huggingface.attention_forward(_Layer(True), q, k, v, None, cache=PagedAttentionCache())
 
 
 def test_sinks_per_query_row_join_each_rows_softmax() -> None:

@@ -15,11 +15,14 @@ from qkv.masks import (
 )
 from qkv.modules import SelfAttention
 from qkv.multihead import MultiheadAttention
+from qkv.paged import PagedKVCache
 from qkv.trace import trace
+from qkv.varlen import varlen_attn
 
 __all__ = [
     "KVCache",
     "MultiheadAttention",
+    "PagedKVCache",
     "SelfAttention",
     "attention",
     "attention_with_cache",
@@ -31,6 +34,7 @@ __all__ = [
     "segments_from_cu_seqlens",
     "sliding_window_mask",
     "trace",
+    "varlen_attn",
 ]
 __version__ = "0.1.0"
 

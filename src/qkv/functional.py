@@ -9,6 +9,7 @@ S/Lk key length, D features (Dk query/key, Dv value).
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from typing import Literal, overload
 
 import torch
@@ -18,6 +19,7 @@ from qkv.backends import dispatch
 from qkv.backends.base import CacheWrite, Call
 from qkv.cache import KVCache
 from qkv.canonical import Causal, Segments, Window, canonical_call
+from qkv.paged import PagedKVCache, attention_with_paged_cache
 
 # attention's result: out, or (out, weights), (out, lse) or (out, weights, lse) as asked
 Returned = torch.Tensor | tuple[torch.Tensor, ...]
@@ -202,7 +204,7 @@ def attention_with_cache(
     q: torch.Tensor,
     k_new: torch.Tensor,
     v_new: torch.Tensor,
-    cache: KVCache,
+    cache: KVCache | PagedKVCache,
     *,
     mask: torch.Tensor | None = None,
     causal: Causal = False,
@@ -216,6 +218,7 @@ def attention_with_cache(
     window: Window = None,
     segments: Segments = None,
     return_lse: bool = False,
+    sequences: Sequence[Hashable] | None = None,
 ) -> Returned:
     """Write this step's keys and values into ``cache`` and attend to everything cached.
 
@@ -238,9 +241,25 @@ def attention_with_cache(
     So decoding token by token, or in chunks, gives the outputs of one full causal pass. The
     backend may fuse the write into its attention (flash's kernel does, for a decoding step).
     A call rejected for a bad argument leaves the cache unchanged.
+
+    A ``qkv.PagedKVCache`` holds many sequences: batch entry b is sequence ``sequences[b]``
+    (any ids; default 0 … B − 1), created by its first step, each of its own length (causal
+    aligns each one's last query with its own last key). It takes causal=True/False, scale,
+    window, softcap, sinks, alibi_slopes (Hq,) and return_lse (lse (B, Hq, L)); not a mask,
+    dropout, weights or segments. See ``qkv.varlen_attn`` for batches of different L.
     """
+    if isinstance(cache, PagedKVCache):  # many sequences in pages: qkv.paged
+        options = dict(mask=mask, causal=causal, scale=scale, dropout_p=dropout_p,
+                       return_weights=return_weights, backend=backend, softcap=softcap,
+                       sinks=sinks, alibi_slopes=alibi_slopes, window=window,
+                       segments=segments, return_lse=return_lse)  # fmt: skip
+        return attention_with_paged_cache(q, k_new, v_new, cache, sequences, options)
     if not isinstance(cache, KVCache):
-        raise TypeError(f"cache must be a qkv.KVCache, got {type(cache).__name__}")
+        raise TypeError(
+            f"cache must be a qkv.KVCache or qkv.PagedKVCache, got {type(cache).__name__}"
+        )
+    if sequences is not None:
+        raise ValueError("sequences= names the batch entries of a PagedKVCache; a KVCache has none")
     step = cache.prepare(k_new, v_new)
     call, squeeze_head = canonical_call(
         q,

@@ -10,6 +10,9 @@
     qkv bench --arguments 4096                  # sinks, softcap, ALiBi, windows, documents
     qkv bench --isa avx2                        # flash's AVX2 build, torch held to AVX2 too
     qkv bench --compile                         # a GPT-style training step under torch.compile
+    qkv bench --continuous                      # transformers' generate_batch: qkv vs sdpa
+    qkv bench --varlen                          # a packed varlen batch vs padding it
+    qkv bench --paged                           # decoding against a paged vs a contiguous cache
 
 The table goes to stdout; one progress line per case goes to stderr as the run goes on.
 """
@@ -25,8 +28,10 @@ from typing import Any
 import torch
 
 from qkv.backends.flash import kernel
-from qkv.bench import arguments, auto, cases, decode, isa, memory, report, runs, timing
+from qkv.bench import arguments, auto, cases, continuous, decode, isa, memory, report, runs, timing
 from qkv.bench import compile as compiled
+from qkv.bench import paged as paged_bench
+from qkv.bench import varlen as varlen_bench
 
 MATMUL_BUDGET_S = 1.0  # the whole matrix-multiply probe, all dtypes together
 
@@ -126,6 +131,28 @@ def configure_only_modes(parser: argparse.ArgumentParser) -> None:
         "length T (default 1024), compiled with torch.compile and eager, with qkv's attention "
         "and with torch's scaled_dot_product_attention",
     )
+    add(
+        "--continuous",
+        type=positive,
+        nargs="?",
+        const=32,
+        default=None,
+        metavar="N",
+        help="only: transformers' generate_batch of N requests (default 32, prompts of 16 to "
+        '512 tokens, 32 new tokens each) on attn_implementation="qkv" against "sdpa"',
+    )
+    add(
+        "--varlen",
+        action="store_true",
+        help="only: 16 sequences of 64 to 4,096 tokens (causal, float32) in one qkv.varlen_attn "
+        "call against the batch padded to the longest through qkv.attention with a padding mask",
+    )
+    add(
+        "--paged",
+        action="store_true",
+        help="only: one decoding step of 64 sequences of 1,024 tokens against a PagedKVCache "
+        "(pages of 16) against the same step against a contiguous cache",
+    )
     add("--worker", help=argparse.SUPPRESS)
 
 
@@ -161,6 +188,17 @@ def run(args: argparse.Namespace) -> int:
     elif args.auto:
         record["auto"] = auto.auto_benchmark(args.repeats)
         print(auto.format_auto(record["auto"]))
+    elif args.continuous is not None:
+        record["continuous"] = continuous.continuous_benchmark(
+            args.continuous, repeats=args.repeats
+        )
+        print(continuous.format_continuous(record["continuous"]))
+    elif args.varlen:
+        record["varlen"] = varlen_bench.varlen_benchmark(repeats=args.repeats)
+        print(varlen_bench.format_varlen(record["varlen"]))
+    elif args.paged:
+        record["paged"] = paged_bench.paged_benchmark(repeats=max(args.repeats, 7))
+        print(paged_bench.format_paged(record["paged"]))
     elif args.arguments is not None:
         rows = arguments.arguments_benchmark(args.arguments, shape, args.repeats, args.passes)
         record["arguments"] = rows

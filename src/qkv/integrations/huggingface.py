@@ -22,6 +22,10 @@ is built as transformers builds it for torch's kernel (bool, True = may attend: 
 convention). Nothing is taken from a layer's attributes: a model that passes no mask gets its
 layer's causal rule, as in transformers' sdpa path.
 
+With transformers' continuous batching (``model.generate_batch``, ``init_continuous_batching``:
+a ``PagedAttentionCache``) each step is one packed row of requests, attended by
+``qkv.varlen_attn`` (``qkv.integrations.hf_paged``).
+
 Models whose attention code bypasses transformers' interface run that code on "eager" (the
 parts of a composite model that use the interface stay on qkv, with one warning naming the
 rest), or are refused by name where no part uses it.
@@ -40,7 +44,7 @@ import torch
 
 from qkv import _tracing, logsumexp, masks
 from qkv.functional import attention
-from qkv.integrations import mask_rules, model_parts
+from qkv.integrations import hf_paged, mask_rules, model_parts
 
 INSTALL_HINT = 'pip install "qkv[hf]"'
 _REGISTERED: set[str] = set()
@@ -89,6 +93,7 @@ def register(name: str = "qkv") -> str:
     AttentionMaskInterface.register(name, mask_forward)
     _REGISTERED.add(name)
     _refuse_models_outside_the_interface(transformers.PreTrainedModel)
+    hf_paged.accept_continuous_batching(_REGISTERED)
     return name
 
 
@@ -163,10 +168,18 @@ def attention_forward(
     Returns ``(out (B, Lq, Hq, Dv), weights (B, Hq, Lq, Lk) or None)``; weights are computed
     only when the model is asked for attentions.
     """
-    cache = kwargs.get("cache")
-    if cache is not None and type(cache).__name__ == "PagedAttentionCache":
-        raise ValueError(
-            'qkv attention does not support paged caches (continuous batching); use "sdpa"'
+    if hf_paged.is_continuous_batching(kwargs):  # continuous batching: one packed row
+        return hf_paged.paged_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout,
+            scaling,
+            is_causal=is_causal,
+            position_bias=position_bias,
+            **kwargs,
         )
     arguments = _mask_arguments(module, query, key, attention_mask, is_causal)
     # An additive bias per (head, query, key) joins the mask, which adds -inf where it blocks;

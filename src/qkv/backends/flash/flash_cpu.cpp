@@ -8,6 +8,7 @@
 //   forward.h    the forward recurrence, a query block at a time (its header explains it)
 //   backward.h   the backward pass
 //   decode.h     a few queries (decoding), one row at a time, K/V read where they lie
+//   paged.h      decoding against a paged KV cache, pages read where they lie
 //
 // They are included here, once: the kernel is one translation unit, so that the compiler sees
 // all of it and inlines the row passes and tiles into the loops that run them. kernel.py
@@ -22,6 +23,7 @@
 #include "decode.h"
 #include "forward.h"
 #include "layout.h"
+#include "paged.h"
 #include "products.h"
 #include "rules.h"
 
@@ -157,6 +159,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("forward", &forward, "flash forward: (out, lse)");
   module.def("decode", &decode, "flash forward for a few queries, k and v strided: (out, lse)");
   module.def("decode_step", &decode_step, "write new keys/values into a KV cache's buffers, attend");
+  module.def("paged_decode", &paged_decode, "a few queries per sequence against a paged cache");
   module.def("backward", &backward, "flash backward: (dq, dk, dv, dslopes), float32");
   module.def("bfloat16_matrix_units", &bfloat16_matrix_units);
   module.def("build_info", &build_info, "capability, vector width");

@@ -19,6 +19,8 @@ namespace {
 // The keys each query row may see, [lo, hi): all S keys, causally keys 0 … i + offset, with a
 // window from key i + window on, and with ranges (packed sequences) within the row's range too:
 // row i of head z sees ranges[z / heads_per_range][i] = (lo, hi), an (R, Lq, 2) int64 tensor.
+// An (R, Lq, 3) tensor also gives each row its own ALiBi shift (third column; packed sequences
+// of different lengths, each aligned bottom-right, see ScoreRules).
 struct KeyBounds {
   bool causal;
   int64_t offset;
@@ -27,16 +29,23 @@ struct KeyBounds {
   int64_t S, Lq;
   const int64_t* ranges;  // nullptr: no ranges
   int64_t heads_per_range;
+  int64_t width = 2;  // values per row of ranges: 2, or 3 with a shift
 
   std::pair<int64_t, int64_t> row(int64_t head, int64_t i) const {
     int64_t lo = windowed ? std::clamp<int64_t>(i + window, 0, S) : 0;
     int64_t hi = causal ? std::clamp<int64_t>(i + offset + 1, 0, S) : S;
     if (ranges != nullptr) {
-      const int64_t* b = ranges + ((head / heads_per_range) * Lq + i) * 2;
+      const int64_t* b = ranges + ((head / heads_per_range) * Lq + i) * width;
       lo = std::max(lo, std::clamp<int64_t>(b[0], 0, S));
       hi = std::min(hi, std::clamp<int64_t>(b[1], 0, S));
     }
     return {lo, hi};
+  }
+
+  // Row i's ALiBi shift: its own where the ranges have a third column, else the call's.
+  int64_t shift(int64_t head, int64_t i, int64_t call_shift) const {
+    if (ranges == nullptr || width < 3) return call_shift;
+    return ranges[((head / heads_per_range) * Lq + i) * width + 2];
   }
 
   // The keys rows first … last of one head may see together, [begin, end): from their first
@@ -61,15 +70,15 @@ KeyBounds key_bounds(bool causal, int64_t offset, bool windowed, int64_t window,
                      int64_t Lq, const at::Tensor& ranges, int64_t heads_per_range) {
   if (ranges.numel() == 0) return {causal, offset, windowed, window, S, Lq, nullptr, 1};
   TORCH_CHECK(ranges.scalar_type() == at::kLong && ranges.is_contiguous() && ranges.dim() == 3 &&
-              ranges.size(1) == Lq && ranges.size(2) == 2 && heads_per_range > 0,
-              "ranges: contiguous int64 (R, Lq, 2)");
+              ranges.size(1) == Lq && (ranges.size(2) == 2 || ranges.size(2) == 3) &&
+              heads_per_range > 0, "ranges: contiguous int64 (R, Lq, 2) or (R, Lq, 3)");
   return {causal, offset, windowed, window, S, Lq, ranges.const_data_ptr<int64_t>(),
-          heads_per_range};
+          heads_per_range, ranges.size(2)};
 }
 
 // What a call adds to q · k: soft-capping and ALiBi. cap = 0: no capping; slopes = nullptr: no
 // ALiBi (one slope per query head otherwise); shift = S − Lq aligns the last query with the last
-// key, as the causal rule.
+// key, as the causal rule (KeyBounds::shift may give each row its own).
 struct ScoreRules {
   float cap;
   const float* slopes;
@@ -109,7 +118,8 @@ struct CallRules {
   // The rules of query i of head `head` over keys j0, j0 + 1, …
   RowRules row(int64_t head, int64_t i, int64_t j0) const {
     const float slope = scores.slopes == nullptr ? 0.f : scores.slopes[head];
-    return {scale, scores.cap, slope, scores.slopes != nullptr, i + scores.shift - j0};
+    const int64_t shift = keys.shift(head, i, scores.shift);
+    return {scale, scores.cap, slope, scores.slopes != nullptr, i + shift - j0};
   }
 };
 

@@ -1,0 +1,164 @@
+"""How flash runs ``qkv.varlen_attn``: a packed batch as one kernel call whose query rows each
+see their own sequence's keys.
+
+The compiled kernel takes, per query row, the range of keys [lo, hi) it may see (``rules.h``'s
+KeyBounds). A packed batch is one (1, H_q, T_q, D) call whose row r of sequence i gets
+lo = k_start_i + max(0, p − left), hi = k_start_i + min(k_len_i, p + right + 1), with
+p = r − q_start_i + k_len_i − q_len_i its position among the sequence's keys: each sequence's
+own bottom-right diagonal and window, and tiles outside every row's range are skipped, so a
+packed batch costs what its sequences cost alone. A third column gives each row its own ALiBi
+shift (the kernel's distance i + shift − j is then p − (j − k_start_i)).
+
+Where the kernel does not run (float64, another device, no kernel, or a gradient through the
+log-sum-exp) ``qkv.varlen`` runs each sequence alone: the same rules, by definition. Paged pools
+are read in ``paged.py``; ``sequences.py`` holds the batch's layout and each row's keys.
+Legend: N sequences, T_q / T_k packed tokens, H_q / H_kv heads, D / Dv features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qkv.backends.flash import kernel
+from qkv.backends.flash import paged as paged_reading
+from qkv.backends.flash.sequences import Packing, VarlenRules, rows
+
+
+def kernel_ranges(packing: Packing, rules: VarlenRules) -> torch.Tensor:
+    """(1, T_q, 3) int64 as the kernel takes them: each row's packed keys [lo, hi) and its ALiBi
+    shift (distance i + shift − j for packed row i and packed key j)."""
+    table = rows(packing, rules)
+    sequence, lo, hi, position = table.unbind(dim=1)
+    k_start = torch.tensor(packing.k_start, dtype=torch.long)[sequence]
+    packed_row = torch.arange(sequence.numel())
+    shift = position + k_start - packed_row
+    return torch.stack([lo + k_start, hi + k_start, shift], dim=1)[None].contiguous()
+
+
+def packed(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    packing: Packing,
+    rules: VarlenRules,
+    want_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """out (T_q, H_q, Dv) in query's dtype and lse (H_q, T_q) on the kernel; None where it
+    does not take the call (the caller then runs each sequence alone): float64, another
+    device, no kernel, or a gradient asked through the log-sum-exp."""
+    lse_grad = want_lse and torch.is_grad_enabled() and _needs_grad(query, key, value, rules)
+    q4, k4, v4 = (x.transpose(0, 1)[None] for x in (query, key, value))  # (1, H, T, D) views
+    if lse_grad or not kernel.takes(q4, k4, v4):
+        return None
+    ranges = kernel_ranges(packing, rules)
+    slopes = rules.alibi_slopes
+    options = _Options(rules.scale, ranges, rules.softcap)
+    out, lse = _Packed.apply(q4, k4, v4, rules.sinks, slopes, options)  # type: ignore[no-untyped-call]
+    return out[0].transpose(0, 1).to(query.dtype), lse[0]
+
+
+def _needs_grad(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rules: VarlenRules
+) -> bool:
+    tensors = (query, key, value, rules.alibi_slopes, rules.sinks)
+    return any(x is not None and x.requires_grad for x in tensors)
+
+
+def paged(
+    query: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    packing: Packing,
+    rules: VarlenRules,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (T_q, H_q, Dv) and lse (H_q, T_q) against a paged pool, read where its pages lie."""
+    assert packing.table is not None
+    table = rows(packing, rules)
+    out, lse = paged_reading.attend(query, pool_k, pool_v, packing.table, table, rules)
+    if rules.sinks is not None:
+        from qkv.backends.flash import with_sinks
+
+        out4, lse4 = with_sinks(out.transpose(0, 1)[None], lse[None], rules.sinks)
+        out, lse = out4[0].transpose(0, 1), lse4[0]
+    return out.to(query.dtype), lse
+
+
+@dataclass(frozen=True)
+class _Options:
+    scale: float
+    ranges: torch.Tensor  # (1, T_q, 3)
+    softcap: float | None
+
+
+def _slopes(slopes: torch.Tensor | None) -> torch.Tensor | None:
+    return None if slopes is None else slopes.detach().to(torch.float32).contiguous().cpu()
+
+
+class _Packed(torch.autograd.Function):
+    """A packed batch on the kernel: saves q, k, v, out and lse; the backward pass is the
+    kernel's, with the same per-row key ranges and ALiBi shifts."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None,
+        slopes: torch.Tensor | None,
+        options: _Options,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from qkv.backends.flash import with_sinks
+
+        ranges = (options.ranges, q.shape[1])
+        result = kernel.forward(
+            q,
+            k,
+            v,
+            options.scale,
+            None,
+            ranges=ranges,
+            softcap=options.softcap,
+            slopes=_slopes(slopes),
+        )
+        assert result is not None  # packed() asked kernel.takes
+        out, lse = result
+        if sinks is not None:
+            out, lse = with_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, slopes)
+        ctx.options = options
+        ctx.mark_non_differentiable(lse)  # (packed() declines a gradient through lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor, _: torch.Tensor) -> tuple[Any, ...]:
+        from qkv.backends.flash import sink_gradient
+
+        q, k, v, out, lse, sinks, slopes = ctx.saved_tensors
+        options: _Options = ctx.options
+        ranges = (options.ranges, q.shape[1])
+        result = kernel.backward(
+            q,
+            k,
+            v,
+            out,
+            grad_out,
+            lse,
+            options.scale,
+            None,
+            ranges=ranges,
+            softcap=options.softcap,
+            slopes=_slopes(slopes),
+        )
+        assert result is not None
+        dq, dk, dv, dslopes = result
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            dsinks = sink_gradient(out, lse, grad_out, None, sinks)
+        if slopes is not None and dslopes is not None:
+            dslopes = dslopes.to(slopes.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, dslopes, None

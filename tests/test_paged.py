@@ -1,0 +1,230 @@
+"""qkv.PagedKVCache and attention read from its pages: allocation, block tables, freeing and an
+exhausted pool; paged attention equals the same call on contiguous keys (kernel and loop), and
+attention_with_cache on a paged cache equals a KVCache per sequence."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+from oracle import TOLERANCE
+from varlen_oracle import batch, cumulative, oracle
+
+import qkv
+from qkv.backends.flash import kernel
+from qkv.paged import PoolExhausted
+from qkv.varlen import AuxRequest
+
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+SINKS = torch.tensor([0.3, -1.0, 2.0, 0.0])
+
+
+@pytest.fixture(params=["kernel", "loop"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "loop":
+        monkeypatch.setattr(kernel, "ENABLED", False)
+    elif kernel.load() is None:
+        pytest.skip("flash's compiled kernel is not available")
+    return str(request.param)
+
+
+def test_pages_are_taken_as_needed_and_returned() -> None:
+    cache = qkv.PagedKVCache(6, 4, 2, 8)
+    k = torch.randn(10, 2, 8)
+    cache.append("a", k[:5], k[:5])
+    cache.append("b", k[:4], k[:4])
+    cache.append("a", k[5:9], k[5:9])  # 9 tokens: 3 pages
+    assert cache.length("a") == 9 and cache.length("b") == 4 and cache.free_pages == 2
+    assert len(cache.pages_of("a")) == 3 and not set(cache.pages_of("a")) & set(cache.pages_of("b"))
+    table, lengths = cache.block_table(["b", "a"]), cache.lengths(["b", "a"])
+    assert table.shape == (2, 3) and table.dtype == torch.int32 and lengths.tolist() == [4, 9]
+    for t in range(9):  # token t of "a" lies at slot t % 4 of its page t // 4
+        page = int(cache.block_table(["a"])[0, t // 4])
+        assert torch.equal(cache.keys[page, t % 4], k[t])
+    cache.free("b")
+    assert cache.free_pages == 3 and "b" not in cache
+    cache.append("c", k[:8], k[:8])  # reuses b's page
+    assert cache.free_pages == 1
+
+
+def test_an_exhausted_pool_says_so_and_writes_nothing() -> None:
+    cache = qkv.PagedKVCache(2, 4, 1, 4)
+    cache.append(0, torch.zeros(6, 1, 4), torch.zeros(6, 1, 4))
+    with pytest.raises(PoolExhausted, match=r"needs 1 more pages.*only 0 of 2 are free"):
+        cache.append(0, torch.ones(3, 1, 4), torch.ones(3, 1, 4))
+    assert cache.length(0) == 6 and cache.free_pages == 0
+    with pytest.raises(KeyError, match="no sequence 'x'"):
+        cache.free("x")
+
+
+@pytest.mark.parametrize(
+    ("argument", "value", "error", "match"),
+    [
+        ("k", torch.zeros(3, 2, 5), ValueError, r"k must be \(L, H_kv, D\)"),
+        ("k", torch.zeros(3, 2, 8, dtype=torch.float64), TypeError, "float32"),
+        ("k", torch.zeros(3, 2, 8, requires_grad=True), RuntimeError, "inference"),
+    ],
+)
+def test_append_checks_its_tokens(argument: str, value: Any, error: type, match: str) -> None:
+    cache = qkv.PagedKVCache(4, 4, 2, 8)
+    with pytest.raises(error, match=match):
+        cache.append("a", value, torch.zeros(3, 2, 8))
+
+
+def paged_copy(b: Any, page_size: int = 4, pages: int = 64) -> tuple[qkv.PagedKVCache, list[int]]:
+    """b's keys and values written sequence by sequence into a pool; the sequences' ids."""
+    cache = qkv.PagedKVCache(
+        pages, page_size, b.key.shape[1], b.key.shape[2], b.key.dtype, value_dim=b.value.shape[2]
+    )
+    cache.append("spacer", b.key[:1], b.value[:1])  # so that no sequence starts at page 0
+    bounds = b.cu_seq_k.tolist()
+    for i, (k0, k1) in enumerate(itertools.pairwise(bounds)):
+        cache.append(i, b.key[k0:k1], b.value[k0:k1])
+    return cache, list(range(len(b.k_lens)))
+
+
+@pytest.mark.parametrize(
+    "rules",
+    [
+        {},
+        {"causal": True},
+        {"window_size": (3, 0)},
+        {"window_size": (5, 2), "softcap": 3.0, "alibi_slopes": SLOPES, "sinks": SINKS},
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_paged_equals_contiguous(rules: dict[str, Any], dtype: torch.dtype, path: str) -> None:
+    b = batch([1, 2, 0, 1, 3], [9, 0, 4, 17, 30], dtype=dtype)
+    cache, seqs = paged_copy(b)
+    contiguous, lse = qkv.varlen_attn(
+        b.query,
+        b.key,
+        b.value,
+        b.cu_seq_q,
+        b.cu_seq_k,
+        3,
+        30,
+        enable_gqa=True,
+        return_aux=AuxRequest(lse=True),
+        **rules,
+    )
+    paged, paged_lse = qkv.varlen_attn(
+        b.query,
+        cache.keys,
+        cache.values,
+        b.cu_seq_q,
+        None,
+        3,
+        30,
+        enable_gqa=True,
+        seqused_k=cache.lengths(seqs),
+        block_table=cache.block_table(seqs),
+        return_aux=AuxRequest(lse=True),
+        **rules,
+    )
+    atol, rtol = TOLERANCE[dtype]
+    assert paged.dtype == dtype
+    torch.testing.assert_close(paged.double(), contiguous.double(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(paged_lse.double(), lse.double(), atol=atol * 10, rtol=rtol)
+
+
+def test_paged_matches_the_oracle(path: str) -> None:
+    b = batch([1, 4, 1], [16, 7, 33])
+    cache, seqs = paged_copy(b, page_size=16)
+    out = qkv.varlen_attn(
+        b.query,
+        cache.keys,
+        cache.values,
+        b.cu_seq_q,
+        None,
+        4,
+        33,
+        enable_gqa=True,
+        causal=True,
+        alibi_slopes=SLOPES,
+        seqused_k=cache.lengths(seqs),
+        block_table=cache.block_table(seqs),
+    )
+    expected, _ = oracle(b, right=0, alibi_slopes=SLOPES)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_with_a_paged_cache_equals_a_kv_cache_per_sequence(path: str) -> None:
+    """Decoding three sequences of different prompt lengths in one paged batch, step by step,
+    gives each the outputs it gets with its own KVCache."""
+    torch.manual_seed(0)
+    cache, own = qkv.PagedKVCache(32, 4, 2, 8), [qkv.KVCache() for _ in range(3)]
+    for i, prompt in enumerate([5, 1, 11]):  # each prompt on its own first (its own L)
+        q, k, v = (
+            torch.randn(1, 4, prompt, 8),
+            torch.randn(1, 2, prompt, 8),
+            torch.randn(1, 2, prompt, 8),
+        )
+        got = qkv.attention_with_cache(q, k, v, cache, sequences=[f"r{i}"], causal=True)
+        want = qkv.attention_with_cache(q, k, v, own[i], causal=True)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for _ in range(3):  # then decode all three together
+        q, k, v = torch.randn(3, 4, 1, 8), torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8)
+        got, lse = qkv.attention_with_cache(
+            q, k, v, cache, sequences=["r0", "r1", "r2"], causal=True, return_lse=True
+        )
+        for i in range(3):
+            want, want_lse = qkv.attention_with_cache(
+                q[i : i + 1], k[i : i + 1], v[i : i + 1], own[i], causal=True, return_lse=True
+            )
+            torch.testing.assert_close(got[i : i + 1], want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lse[i : i + 1], want_lse, atol=1e-5, rtol=1e-5)
+    assert [cache.length(f"r{i}") for i in range(3)] == [8, 4, 14]
+
+
+def test_a_refused_call_leaves_the_paged_cache_unchanged() -> None:
+    cache = qkv.PagedKVCache(8, 4, 2, 8)
+    q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8)
+    qkv.attention_with_cache(q, k, k, cache, sequences=["a", "b"])
+    with pytest.raises(ValueError, match="mask is not supported with a PagedKVCache"):
+        qkv.attention_with_cache(q, k, k, cache, sequences=["a", "b"], mask=torch.ones(3, 6).bool())
+    with pytest.raises(ValueError, match="softcap"):
+        qkv.attention_with_cache(q, k, k, cache, sequences=["a", "b"], softcap=-1.0)
+    assert cache.lengths(["a", "b"]).tolist() == [3, 3] and cache.free_pages == 6
+    with pytest.raises(ValueError, match="sequences"):
+        qkv.attention_with_cache(q, k, k, qkv.KVCache(), sequences=["a", "b"])
+
+
+def test_paged_errors_name_the_argument() -> None:
+    b = batch([1, 1], [5, 3])
+    cache, seqs = paged_copy(b)
+    table, used = cache.block_table(seqs), cache.lengths(seqs)
+    call = (b.query, cache.keys, cache.values, b.cu_seq_q, None, 1, 5)
+    with pytest.raises(ValueError, match="block_table needs seqused_k"):
+        qkv.varlen_attn(*call, enable_gqa=True, block_table=table)
+    with pytest.raises(ValueError, match=r"block_table\[1\] points outside the pool of 64"):
+        qkv.varlen_attn(
+            *call,
+            enable_gqa=True,
+            block_table=table.index_fill(0, torch.tensor([1]), 64),
+            seqused_k=used,
+        )
+    with pytest.raises(ValueError, match=r"seqused_k\[0\] = 9 needs 3 pages of 4"):
+        qkv.varlen_attn(
+            *call[:-1], 9, enable_gqa=True, block_table=table, seqused_k=torch.tensor([9, 3])
+        )
+    with pytest.raises(ValueError, match=r"key must be \(P, page_size, H_kv, D\)"):
+        qkv.varlen_attn(
+            b.query, b.key, b.value, b.cu_seq_q, None, 1, 5, block_table=table, seqused_k=used
+        )
+    with pytest.raises(ValueError, match=r"max_k = 4, but sequence 0 has 5 keys"):
+        qkv.varlen_attn(*call[:-1], 4, enable_gqa=True, block_table=table, seqused_k=used)
+    assert cumulative([1]).tolist() == [0, 1]
+
+
+def test_the_paged_benchmark_runs_and_agrees() -> None:
+    """``qkv bench --paged`` at a small size: pages scattered, the two steps agree."""
+    from qkv.bench import paged as bench
+
+    keys = torch.randn(3, 2, 40, 8)
+    cache = bench.paged_cache(keys, keys, 16)
+    assert cache.pages_of(0) == [0, 3, 6]  # the sequences took pages in turn
+    result = bench.paged_benchmark(sequences=3, length=40, heads=4, kv_heads=2, dim=8, repeats=1)
+    assert result["max_abs_difference"] < 1e-5 and result["paged_over_contiguous"] > 0
