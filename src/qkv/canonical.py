@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from qkv import _checks, masks
+from qkv import _checks, masks, mods
 from qkv.backends.base import Call, default_scale
 from qkv.backends.dispatch import NAMES
 
@@ -42,6 +42,8 @@ def canonical_call(
     window: Any = None,
     segments: Any = None,
     return_lse: Any = False,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> tuple[Call, bool]:
     """Check every argument and build the backend's ``Call``; True if a head dim was added."""
     _check_tensors(q, k, v)
@@ -68,11 +70,15 @@ def canonical_call(
         _checks.mask("mask", mask, target, "(*batch, Hq, Lq, Lk)")
     call = make_call(q, k, v, mask, causal, scale, dropout_p, return_weights)
     plain = softcap is None and sinks is None and alibi_slopes is None and window is None
+    plain = plain and score_mod is None and mask_mod is None
     if plain and segments is None and return_lse is False:  # the common call: nothing more
         return call, squeeze_head
     extras = _extras(
         call, batch, causal, softcap, sinks, alibi_slopes, window, segments, return_lse
     )
+    if score_mod is not None or mask_mod is not None:  # your own rule (qkv.mods)
+        extras["score_mod"] = mods.check_mod("score_mod", score_mod, 5)
+        extras["mask_mod"] = mods.check_mod("mask_mod", mask_mod, 4)
     return dataclasses.replace(call, **extras), squeeze_head
 
 

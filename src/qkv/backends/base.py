@@ -8,7 +8,9 @@ length, D features.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,6 +52,11 @@ class Call:
     window_offset: int | None = None  # query i may attend key j only if j >= i + window_offset
     segments: tuple[torch.Tensor, torch.Tensor] | None = None  # ids (*batch, Lq), (*batch, Lk)
     return_lse: bool = False
+    # Your own rule (FlexAttention's signatures; ``qkv.mods``): score_mod(score, b, h, q_idx,
+    # kv_idx) replaces the scaled score before softcap/ALiBi/mask; mask_mod(b, h, q_idx, kv_idx)
+    # is True where the query may attend, and joins the other rules.
+    score_mod: Callable[..., Any] | None = None
+    mask_mod: Callable[..., Any] | None = None
 
     @property
     def groups(self) -> int:
@@ -89,6 +96,11 @@ class Call:
     def modified_scores(self) -> bool:
         """Whether scores are changed beyond ``q kᵀ · scale + mask`` (softcap or ALiBi)."""
         return self.softcap is not None or self.alibi_slopes is not None
+
+    @property
+    def mods(self) -> bool:
+        """Whether the call has a ``score_mod`` or a ``mask_mod``."""
+        return self.score_mod is not None or self.mask_mod is not None
 
     @property
     def compute_dtype(self) -> torch.dtype:
