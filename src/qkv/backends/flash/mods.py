@@ -77,10 +77,12 @@ class TileMods:
         device: torch.device,
         captured: list[torch.Tensor],
         grad: bool = False,
+        differentiable: bool = False,
     ) -> None:
         self.score_mod, self.mask_mod = score_mod, mask_mod
         self.batch, self.heads, self.lq, self.lk = shape
         self.device, self.captured, self.grad = device, captured, grad
+        self.differentiable = differentiable or grad  # a backward pass may follow
         self.captured_grads: list[torch.Tensor | None] = [None] * len(captured)
         self.occupancy = _occupancy(mask_mod, shape, device) if mask_mod is not None else None
         self._checked_score = self._checked_mask = False
@@ -138,7 +140,7 @@ class TileMods:
         with torch.enable_grad():
             result = self.score_mod(raw, *index)
         own.checked("score_mod", result, tuple(tile.shape), tile.dtype)
-        if self.grad or torch.is_grad_enabled():
+        if self.differentiable:
             _check_captured(result, self.captured)
         with torch.no_grad():
             own.check_elementwise("score_mod", self.score_mod, (raw, *index))
@@ -328,19 +330,24 @@ def attention(call: Call) -> tuple[torch.Tensor, None, torch.Tensor | None]:
         )
     else:
         with torch.no_grad():
-            out, lse = _forward(call, rules, captured)
+            out, lse = _forward(call, rules, captured, False)
     out = out if out.dtype == call.q.dtype else out.to(call.q.dtype)
     return out, None, (lse if call.return_lse else None)
 
 
-def _tile_mods(call: Call, captured: list[torch.Tensor], grad: bool) -> TileMods:
+def _tile_mods(
+    call: Call, captured: list[torch.Tensor], grad: bool, differentiable: bool = False
+) -> TileMods:
     *batch, hq, lq, lk = call.scores_shape
     shape = (math.prod(batch), hq, lq, lk)
-    return TileMods(call.score_mod, call.mask_mod, shape, call.q.device, captured, grad)
+    device = call.q.device
+    return TileMods(
+        call.score_mod, call.mask_mod, shape, device, captured, grad, differentiable
+    )
 
 
 def _forward(
-    call: Call, rules: Rules | None, captured: list[torch.Tensor]
+    call: Call, rules: Rules | None, captured: list[torch.Tensor], differentiable: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = loop.forward(
         call.q,
@@ -350,7 +357,7 @@ def _forward(
         causal_offset=call.causal_offset,
         mask=call.mask,
         rules=rules,
-        mods=_tile_mods(call, captured, grad=False),
+        mods=_tile_mods(call, captured, False, differentiable),
     )
     if call.sinks is not None:
         out, lse = flash.with_sinks(out, lse, call.sinks)
@@ -373,7 +380,7 @@ class _ModsAttention(torch.autograd.Function):
         *captured: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         call, rules = options
-        out, lse = _forward(call, rules, list(captured))
+        out, lse = _forward(call, rules, list(captured), True)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options, ctx.captured = options, captured
         ctx.set_materialize_grads(False)
