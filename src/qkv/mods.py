@@ -110,7 +110,7 @@ def check_elementwise(name: str, mod: Callable[..., Any], args: tuple[Any, ...])
             part = [_narrow(a, dim, start, stop) for a in args]
             expected = _narrow(whole.expand(torch.broadcast_shapes(*_shapes(args))), dim, start, stop)
             got = mod(*part)
-            if not isinstance(got, torch.Tensor) or not _same(got, expected):
+            if not isinstance(got, torch.Tensor) or not same(got, expected):
                 raise ValueError(
                     f"{name} is not elementwise: its value for a score depends on other scores "
                     f"or positions (a block evaluated whole differs from its halves evaluated "
@@ -129,7 +129,7 @@ def _narrow(x: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
     return x.narrow(dim, start, stop - start).contiguous()
 
 
-def _same(got: torch.Tensor, expected: torch.Tensor) -> bool:
+def same(got: torch.Tensor, expected: torch.Tensor) -> bool:
     """Equal up to a few units in the last place (vectorised and scalar paths may round apart)."""
     if got.shape != expected.shape and got.dim() == expected.dim():
         got = got.expand_as(expected)

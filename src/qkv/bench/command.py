@@ -9,6 +9,7 @@
     qkv bench --auto                            # the calls that decide what "auto" picks
     qkv bench --arguments 4096                  # sinks, softcap, ALiBi, windows, documents
     qkv bench --isa avx2                        # flash's AVX2 build, torch held to AVX2 too
+    qkv bench --mods 4096                       # score_mod / mask_mod: skipping, compile, memory
 
 The table goes to stdout; one progress line per case goes to stderr as the run goes on.
 """
@@ -25,6 +26,7 @@ import torch
 
 from qkv.backends.flash import kernel
 from qkv.bench import arguments, auto, cases, decode, isa, memory, report, runs, timing
+from qkv.bench import mods as mods_bench
 
 MATMUL_BUDGET_S = 1.0  # the whole matrix-multiply probe, all dtypes together
 
@@ -113,6 +115,17 @@ def configure_only_modes(parser: argparse.ArgumentParser) -> None:
         help="only: what sinks, softcap, alibi_slopes, window and segments cost on flash, "
         "against the plain causal call at length T (default 4096)",
     )
+    add(
+        "--mods",
+        type=positive,
+        nargs="?",
+        const=4096,
+        default=None,
+        metavar="T",
+        help="only: score_mod / mask_mod on flash at length T (default 4096): block skipping, "
+        "the compiled tile step, the gap to qkv's own arguments, and (unless --no-memory) the "
+        "peak memory of a T = 16384 causal training step with a learned relative-bias score_mod",
+    )
     add("--worker", help=argparse.SUPPRESS)
 
 
@@ -152,6 +165,12 @@ def run(args: argparse.Namespace) -> int:
         rows = arguments.arguments_benchmark(args.arguments, shape, args.repeats, args.passes)
         record["arguments"] = rows
         print(arguments.format_arguments(rows, args.arguments, shape))
+    elif args.mods is not None:
+        record["mods"] = mods_bench.mods_benchmark(args.mods, shape, args.repeats)
+        record["mods"]["machine"] = record["machine"]
+        if not args.no_memory:
+            record["mods"]["memory"] = mods_bench.memory_check(16384, shape, args.threads)
+        print(mods_bench.format_mods(record["mods"]))
     else:
         table(args, shape, record)
     if args.json:

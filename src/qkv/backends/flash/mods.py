@@ -85,8 +85,9 @@ class TileMods:
         self.differentiable = differentiable or grad  # a backward pass may follow
         self.captured_grads: list[torch.Tensor | None] = [None] * len(captured)
         self.occupancy = _occupancy(mask_mod, shape, device) if mask_mod is not None else None
-        self._checked_score = self._checked_mask = False
+        self._checked_score = self._checked_mask = grad  # (the forward pass checked them)
         self._step: Callable[..., Any] | None = None
+        self._grad_step: Callable[..., Any] = score_mod or _identity
         self._graph: tuple[torch.Tensor, torch.Tensor] | None = None  # backward: (input, output)
         self._full: set[tuple[int, int, int]] = set()
 
@@ -122,15 +123,21 @@ class TileMods:
         index = own.indices(self.batch, self.heads, q0, q1, k0, k1, self.device)
         if not self._checked_score:
             self._check_score(tile, index)
+        if self._step is None:
+            self._step = self._choose_step(tile, index)
         if self.grad:  # keep the tile's graph for ``gradient``
             with torch.enable_grad():
                 raw = tile.mul(LN_2).requires_grad_()
-                new = self.score_mod(raw, *index)
+                try:
+                    new = self._grad_step(raw, *index)
+                except Exception:  # noqa: BLE001 - a compiled step that fails: the plain one
+                    if self._grad_step is self.score_mod:
+                        raise
+                    self._grad_step = self.score_mod
+                    new = self.score_mod(raw, *index)
             self._graph = (raw, new)
             tile.copy_(new.detach()).mul_(LOG2_E)
             return
-        if self._step is None:
-            self._step = self._choose_step(tile, index)
         tile.copy_(self._step(tile, *index))
 
     def _check_score(self, tile: torch.Tensor, index: own.Indices) -> None:
@@ -147,7 +154,8 @@ class TileMods:
         self._checked_score = True
 
     def _choose_step(self, tile: torch.Tensor, index: own.Indices) -> Callable[..., Any]:
-        """The score_mod step in base 2, compiled when asked or worth it, else plain."""
+        """The score_mod step in base 2, compiled when asked or worth it, else plain (in a
+        backward pass: the score_mod itself, compiled with its gradient, as ``_grad_step``)."""
         assert self.score_mod is not None
         plain = _base2_step(self.score_mod)
         mode = _SETTINGS["compile"]
@@ -155,12 +163,15 @@ class TileMods:
         wanted = mode == "1" or (mode == "auto" and tiles >= COMPILE_MIN_TILES)
         if not wanted or self.device.type != "cpu":
             return plain
+        if self.grad:
+            grad_step = _compiled(("grad", self.score_mod), self.score_mod)
+            self._grad_step = self.score_mod if grad_step is None else grad_step
+            return plain
         compiled = _compiled(self.score_mod, plain)
-        if compiled is None:
+        if compiled is None:  # (it failed before)
             return plain
         try:  # the compiled step must agree with the plain one on this tile
-            fast, slow = compiled(tile, *index), plain(tile, *index)
-            agree = own._same(fast, slow)
+            agree = own.same(compiled(tile, *index), plain(tile, *index))
         except Exception as error:  # noqa: BLE001 - any compile failure falls back
             agree, reason = False, f"{type(error).__name__}: {error}"
         else:
@@ -203,6 +214,10 @@ class TileMods:
             own.checked("mask_mod", keep, tuple(tile.shape), torch.bool)
             self._checked_mask = True
         tile.masked_fill_(keep.logical_not(), float("-inf"))
+
+
+def _identity(score: torch.Tensor, *index: torch.Tensor) -> torch.Tensor:
+    return score
 
 
 def _base2_step(score_mod: Callable[..., Any]) -> Callable[..., torch.Tensor]:
