@@ -103,7 +103,11 @@ def test_low_precision_and_gqa(dtype: torch.dtype) -> None:
     q, k, v = inputs(dtype, hkv=3)
     q = torch.cat([q, q.flip(1)], dim=1)  # 6 query heads over 3 key/value heads
     out = qkv.flex_attention(
-        q, k, v, score_mod, torch_flex.create_block_mask(mask_mod, None, None, L, L, "cpu"),
+        q,
+        k,
+        v,
+        score_mod,
+        torch_flex.create_block_mask(mask_mod, None, None, L, L, "cpu"),
         enable_gqa=True,
     )
     assert out.dtype == dtype
@@ -145,7 +149,9 @@ def test_order_score_mod_then_softcap_alibi_mask_and_every_rule_combines() -> No
         "return_lse": True,
     }
     mask_mod = prefix_lm(10)
-    ref = qkv.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, backend="reference", **kwargs)
+    ref = qkv.attention(
+        q, k, v, score_mod=score_mod, mask_mod=mask_mod, backend="reference", **kwargs
+    )
     got = qkv.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, backend="flash", **kwargs)
     for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
@@ -155,7 +161,9 @@ def test_order_score_mod_then_softcap_alibi_mask_and_every_rule_combines() -> No
     s = q @ k.transpose(-2, -1) / D**0.5 + table[i - j + 299]
     s = 5.0 * torch.tanh(s / 5.0) - slopes[:, None, None] * (i - j).abs() + bias
     keep = (j <= i) & (j > i - 64) & (ids[i] == ids[j]) & ((j < 10) | (i >= j))
-    s = torch.cat([s.masked_fill(~keep, float("-inf")), sinks[:, None, None].expand(B, H, 300, 1)], -1)
+    s = torch.cat(
+        [s.masked_fill(~keep, float("-inf")), sinks[:, None, None].expand(B, H, 300, 1)], -1
+    )
     expected = torch.softmax(s, -1)[..., :300] @ v
     torch.testing.assert_close(ref[0], expected, atol=1e-10, rtol=1e-10)
 
@@ -202,8 +210,12 @@ def test_block_mask_sparsity_is_authoritative() -> None:
     kv_num = block_mask.kv_num_blocks.clone()
     kv_num[..., 2] = 0  # query block 2 loses its partial (diagonal) block
     edited = torch_flex.BlockMask.from_kv_blocks(
-        kv_num, block_mask.kv_indices, block_mask.full_kv_num_blocks,
-        block_mask.full_kv_indices, BLOCK_SIZE=64, mask_mod=causal,
+        kv_num,
+        block_mask.kv_indices,
+        block_mask.full_kv_num_blocks,
+        block_mask.full_kv_indices,
+        BLOCK_SIZE=64,
+        mask_mod=causal,
     )
     out = qkv.flex_attention(q, k, v, block_mask=edited)
     blocks = edited.to_dense()[0, 0].bool().repeat_interleave(64, 0).repeat_interleave(64, 1)
@@ -220,7 +232,11 @@ def test_errors_say_what_went_wrong() -> None:
     cases: list[tuple[dict[str, Any], type[Exception], str]] = [
         ({"score_mod": lambda s, b, h, i, j: s.sum(-1)}, ValueError, "one value per score"),
         ({"score_mod": lambda s, b, h, i, j: s.float()}, TypeError, "dtype"),
-        ({"score_mod": lambda s, b, h, i, j: s - s.amax(-1, keepdim=True)}, ValueError, "not elementwise"),
+        (
+            {"score_mod": lambda s, b, h, i, j: s - s.amax(-1, keepdim=True)},
+            ValueError,
+            "not elementwise",
+        ),
         ({"score_mod": lambda s, b, h, i, j: s.cumsum(-2)}, ValueError, "not elementwise"),
         ({"mask_mod": lambda b, h, i, j: (i - j).float()}, TypeError, "bool"),
         ({"score_mod": lambda s, b, h: s}, TypeError, "5 positional arguments"),
@@ -239,3 +255,9 @@ def test_errors_say_what_went_wrong() -> None:
         qkv.flex_attention(q, k[:, :1], v[:, :1])
     with pytest.raises(TypeError, match="BlockMask"):
         qkv.flex_attention(q, k, v, block_mask=torch.ones(300, 300, dtype=torch.bool))
+
+
+def test_the_tile_mods_use_the_loops_query_tile() -> None:
+    from qkv.backends.flash import loop
+
+    assert flash_mods.QUERY_TILE == loop.QUERY_TILE

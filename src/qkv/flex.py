@@ -58,7 +58,10 @@ def flex_attention(
             f"{key.shape[0]}"
         )
     if query.is_cuda:  # torch's compiled kernels run here: hand over
-        return _torch_flex(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse)
+        handed: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = _torch_flex(
+            query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse
+        )
+        return handed
     mask_mod = None
     if block_mask is not None:
         mask_mod = BlockSparse(block_mask, query, key)
@@ -72,6 +75,9 @@ def flex_attention(
         return_lse=_checks.boolean("return_lse", return_lse),
         backend="flash",
     )
+    if isinstance(result, tuple):
+        out, lse = result
+        return out, lse
     return result
 
 
@@ -109,9 +115,13 @@ class BlockSparse:
     ) -> torch.Tensor:
         """Bool (B, Hq, R, C)-broadcastable: True where the pair may attend."""
         bm, hm = self.states.shape[:2]
-        b = b if bm > 1 else torch.zeros_like(b)
-        h = h if hm > 1 else torch.zeros_like(h)
-        state = self.states[b, h, q_idx // self.q_block, kv_idx // self.kv_block]
+        first = b.new_zeros((1, 1, 1, 1))  # a BlockMask made for B = 1 or H = 1 broadcasts
+        state = self.states[
+            b if bm > 1 else first,
+            h if hm > 1 else first,
+            q_idx // self.q_block,
+            kv_idx // self.kv_block,
+        ]
         keep = state == FULL
         if self.mask_mod is None:
             return keep | (state == PARTIAL)

@@ -85,7 +85,7 @@ def attention(
     segments: Segments = ...,
     return_lse: Literal[True],
     score_mod: ScoreMod | None = ...,
-    mask_mod: MaskMod | None = ...
+    mask_mod: MaskMod | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention(
@@ -106,7 +106,7 @@ def attention(
     segments: Segments = ...,
     return_lse: Literal[True],
     score_mod: ScoreMod | None = ...,
-    mask_mod: MaskMod | None = ...
+    mask_mod: MaskMod | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 @overload
 def attention(

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from qkv import _checks
 
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Any]
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Any]
@@ -58,12 +60,15 @@ def indices(
     batch: int, heads: int, q0: int, q1: int, k0: int, k1: int, device: torch.device
 ) -> Indices:
     """b (B, 1, 1, 1), h (1, Hq, 1, 1), q_idx (1, 1, q1−q0, 1), kv_idx (1, 1, 1, k1−k0), int32."""
-    kind = {"dtype": torch.int32, "device": device}
+
+    def positions(start: int, stop: int) -> torch.Tensor:
+        return torch.arange(start, stop, dtype=torch.int32, device=device)
+
     return (
-        torch.arange(batch, **kind).view(batch, 1, 1, 1),
-        torch.arange(heads, **kind).view(1, heads, 1, 1),
-        torch.arange(q0, q1, **kind).view(1, 1, q1 - q0, 1),
-        torch.arange(k0, k1, **kind).view(1, 1, 1, k1 - k0),
+        positions(0, batch).view(batch, 1, 1, 1),
+        positions(0, heads).view(1, heads, 1, 1),
+        positions(q0, q1).view(1, 1, q1 - q0, 1),
+        positions(k0, k1).view(1, 1, 1, k1 - k0),
     )
 
 
@@ -78,13 +83,8 @@ def checked(name: str, result: Any, shape: tuple[int, ...], dtype: torch.dtype) 
             f"{name} must return {what}, got {result.dtype} (a tensor it reads, e.g. a bias "
             f"table, may have promoted it: convert it with .to(score.dtype))"
         )
-    grown = None
-    if result.dim() <= len(shape):
-        try:
-            grown = torch.broadcast_shapes(result.shape, shape)
-        except RuntimeError:
-            grown = None
-    if grown != torch.Size(shape):
+    grown = _checks.broadcast_shape(result.shape, shape) if result.dim() <= len(shape) else None
+    if grown != tuple(shape):
         raise ValueError(
             f"{name} must return one value per score: a tensor broadcastable to the block's "
             f"{tuple(shape)} (b, h, q_idx, kv_idx broadcast against each other), got "
@@ -108,7 +108,8 @@ def check_elementwise(name: str, mod: Callable[..., Any], args: tuple[Any, ...])
         half = size // 2
         for start, stop in ((0, half), (half, size)):
             part = [_narrow(a, dim, start, stop) for a in args]
-            expected = _narrow(whole.expand(torch.broadcast_shapes(*_shapes(args))), dim, start, stop)
+            full = _checks.broadcast_shape(*(a.shape for a in args))
+            expected = _narrow(whole.expand(full or whole.shape), dim, start, stop)
             got = mod(*part)
             if not isinstance(got, torch.Tensor) or not same(got, expected):
                 raise ValueError(
@@ -117,10 +118,6 @@ def check_elementwise(name: str, mod: Callable[..., Any], args: tuple[Any, ...])
                     f"apart along dim {dim}); FlexAttention's mods see one score at a time, so "
                     f"use only elementwise arithmetic and indexing by b, h, q_idx, kv_idx"
                 )
-
-
-def _shapes(args: tuple[Any, ...]) -> Iterator[torch.Size]:
-    return (a.shape for a in args)
 
 
 def _narrow(x: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
@@ -155,7 +152,9 @@ def captured_tensors(mod: Any, every: bool = False) -> list[torch.Tensor]:
     return list(found.values())
 
 
-def _collect(obj: Any, found: dict[int, torch.Tensor], seen: set[int], depth: int, every: bool) -> None:
+def _collect(
+    obj: Any, found: dict[int, torch.Tensor], seen: set[int], depth: int, every: bool
+) -> None:
     if id(obj) in seen or depth > 6:
         return
     seen.add(id(obj))

@@ -51,7 +51,9 @@ def t5_bucket(relative: torch.Tensor, buckets: int = 32, max_distance: int = 128
 def mods_benchmark(length: int, shape: Shape, repeats: int) -> dict[str, Any]:
     """The three timed measurements at T = ``length`` (see the module doc)."""
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(shape.batch, shape.heads, length, shape.dim, generator=gen) for _ in "qkv")
+    q, k, v = (
+        torch.randn(shape.batch, shape.heads, length, shape.dim, generator=gen) for _ in "qkv"
+    )
     ids = torch.arange(length) * DOCUMENTS // length
 
     def documents(b: Any, h: Any, qi: Any, kv: Any) -> Any:
@@ -150,7 +152,8 @@ def _gaps(
 def memory_check(length: int, shape: Shape, threads: int | None) -> dict[str, Any]:
     """Peak resident memory of a fresh process running one causal float32 training step
     (forward+backward) with a learned relative-bias score_mod at T = ``length``."""
-    spec = {"length": length, "batch": shape.batch, "heads": shape.heads, "dim": shape.dim}
+    spec: dict[str, Any] = {"length": length, "batch": shape.batch, "heads": shape.heads}
+    spec["dim"] = shape.dim
     spec["threads"] = threads
     command = [sys.executable, "-m", "qkv.bench.mods", json.dumps(spec)]
     completed = subprocess.run(command, capture_output=True, text=True, check=True)

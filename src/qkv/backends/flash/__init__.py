@@ -173,10 +173,10 @@ def rules_of(call: Call) -> Rules | None:
 
 def attention(call: Call) -> tuple[torch.Tensor, None, torch.Tensor | None]:
     """Run a checked call: (out in q's dtype, None, lse if the call asks for it)."""
-    if call.mods:  # your own rule: per tile, on the loop (mods.py)
-        from qkv.backends.flash import mods
+    if call.mods:  # your own rule: per tile, on the loop (mods.py, mods_call.py)
+        from qkv.backends.flash import mods_call
 
-        return mods.attention(call)
+        return mods_call.attention(call, rules_of(call))
     rules = rules_of(call)
     if call.needs_gradients:  # (a float mask that needs them is refused by why_not)
         out, lse = _FlashAttention.apply(  # type: ignore[no-untyped-call]

@@ -34,13 +34,10 @@ from typing import Any
 import torch
 
 from qkv import mods as own
-from qkv.backends import flash
-from qkv.backends.base import Call
-from qkv.backends.flash import loop
-from qkv.backends.flash.loop import QUERY_TILE
-from qkv.backends.flash.rules import LOG2_E, Rules
+from qkv.backends.flash.rules import LOG2_E
 
 LN_2 = math.log(2.0)
+QUERY_TILE = 256  # the loop's query tile (``loop.QUERY_TILE``; tests check they agree)
 KEY_BLOCK = 128  # key granularity of the mask_mod's block occupancy
 EMPTY, PARTIAL, FULL = 0, 1, 2
 COMPILE_MIN_TILES = 64  # "auto" compiles the score_mod step of calls with this many tiles
@@ -130,7 +127,7 @@ class TileMods:
                 raw = tile.mul(LN_2).requires_grad_()
                 try:
                     new = self._grad_step(raw, *index)
-                except Exception:  # noqa: BLE001 - a compiled step that fails: the plain one
+                except Exception:  # a compiled step that fails: the plain one
                     if self._grad_step is self.score_mod:
                         raise
                     self._grad_step = self.score_mod
@@ -149,8 +146,11 @@ class TileMods:
         own.checked("score_mod", result, tuple(tile.shape), tile.dtype)
         if self.differentiable:
             _check_captured(result, self.captured)
-        with torch.no_grad():
-            own.check_elementwise("score_mod", self.score_mod, (raw, *index))
+        with torch.no_grad():  # on a corner of the tile: cheap, and enough to tell
+            rows, cols = min(32, raw.shape[-2]), min(64, raw.shape[-1])
+            b, h, q_idx, kv_idx = index
+            corner = (raw[..., :rows, :cols], b, h, q_idx[..., :rows, :], kv_idx[..., :cols])
+            own.check_elementwise("score_mod", self.score_mod, corner)
         self._checked_score = True
 
     def _choose_step(self, tile: torch.Tensor, index: own.Indices) -> Callable[..., Any]:
@@ -172,7 +172,7 @@ class TileMods:
             return plain
         try:  # the compiled step must agree with the plain one on this tile
             agree = own.same(compiled(tile, *index), plain(tile, *index))
-        except Exception as error:  # noqa: BLE001 - any compile failure falls back
+        except Exception as error:  # any compile failure falls back
             agree, reason = False, f"{type(error).__name__}: {error}"
         else:
             reason = "its results differ from the plain loop's"
@@ -253,21 +253,25 @@ def _check_captured(result: torch.Tensor, captured: list[torch.Tensor]) -> None:
         return
     stops = {id(t.grad_fn) for t in captured if t.grad_fn is not None}
     leaves = {id(t) for t in captured if t.grad_fn is None}
-    pending, seen = [result.grad_fn], set()
+    pending: list[Any] = [result.grad_fn]
+    seen: set[int] = set()
     while pending:
         node = pending.pop()
         if node is None or id(node) in seen or id(node) in stops:
             continue
         seen.add(id(node))
         variable = getattr(node, "variable", None)
-        if isinstance(variable, torch.Tensor) and variable.requires_grad:
-            if id(variable) not in leaves:
-                raise ValueError(
-                        f"score_mod reads a tensor of shape {tuple(variable.shape)} that "
-                        f"requires grad but is not in its closure or globals, so its gradient "
-                        f"would be lost; capture it directly (a closure variable, a global or "
-                        f"an attribute of a bound torch.nn.Module)"
-                    )
+        if (
+            isinstance(variable, torch.Tensor)
+            and variable.requires_grad
+            and id(variable) not in leaves
+        ):
+            raise ValueError(
+                f"score_mod reads a tensor of shape {tuple(variable.shape)} that "
+                f"requires grad but is not in its closure or globals, so its gradient "
+                f"would be lost; capture it directly (a closure variable, a global or "
+                f"an attribute of a bound torch.nn.Module)"
+            )
         pending.extend(next_node for next_node, _ in node.next_functions)
 
 
@@ -325,113 +329,3 @@ def _evaluate_occupancy(
             state = torch.where(every, FULL, torch.where(some, PARTIAL, EMPTY))
             states[i, k0 // KEY_BLOCK : k0 // KEY_BLOCK + n] = state.to(torch.int8).cpu()
     return states
-
-
-# --- the backend's entry point for calls with a score_mod or mask_mod ---------------------------
-
-
-def attention(call: Call) -> tuple[torch.Tensor, None, torch.Tensor | None]:
-    """Run a checked call with a score_mod and/or mask_mod on the loop (never the compiled
-    kernel): (out in q's dtype, None, lse if asked for)."""
-    captured = own.captured_tensors(call.score_mod) if call.score_mod is not None else []
-    learnable = [x for x in (call.sinks, call.alibi_slopes) if x is not None]
-    needs = torch.is_grad_enabled() and any(
-        x.requires_grad for x in (call.q, call.k, call.v, *learnable, *captured)
-    )
-    rules = flash.rules_of(call)
-    if needs:
-        out, lse = _ModsAttention.apply(  # type: ignore[no-untyped-call]
-            call.q, call.k, call.v, call.sinks, call.alibi_slopes, (call, rules), *captured
-        )
-    else:
-        with torch.no_grad():
-            out, lse = _forward(call, rules, captured, False)
-    out = out if out.dtype == call.q.dtype else out.to(call.q.dtype)
-    return out, None, (lse if call.return_lse else None)
-
-
-def _tile_mods(
-    call: Call, captured: list[torch.Tensor], grad: bool, differentiable: bool = False
-) -> TileMods:
-    *batch, hq, lq, lk = call.scores_shape
-    shape = (math.prod(batch), hq, lq, lk)
-    device = call.q.device
-    return TileMods(
-        call.score_mod, call.mask_mod, shape, device, captured, grad, differentiable
-    )
-
-
-def _forward(
-    call: Call, rules: Rules | None, captured: list[torch.Tensor], differentiable: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = loop.forward(
-        call.q,
-        call.k,
-        call.v,
-        scale=call.scale,
-        causal_offset=call.causal_offset,
-        mask=call.mask,
-        rules=rules,
-        mods=_tile_mods(call, captured, False, differentiable),
-    )
-    if call.sinks is not None:
-        out, lse = flash.with_sinks(out, lse, call.sinks)
-    return out, lse
-
-
-class _ModsAttention(torch.autograd.Function):
-    """Saves q, k, v, out and lse; the backward pass recomputes each tile's scores and runs the
-    score_mod under autograd. Inputs after the options: the tensors the score_mod captures."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        sinks: torch.Tensor | None,
-        alibi_slopes: torch.Tensor | None,
-        options: tuple[Call, Rules | None],
-        *captured: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        call, rules = options
-        out, lse = _forward(call, rules, list(captured), True)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options, ctx.captured = options, captured
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(
-        ctx: Any, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        call, rules = ctx.options
-        grad_out = torch.zeros_like(out) if grad_out is None else grad_out
-        tile_mods = _tile_mods(call, list(ctx.captured), grad=True)
-        dq, dk, dv, dslopes = loop.backward_all(
-            q,
-            k,
-            v,
-            out,
-            grad_out,
-            lse,
-            scale=call.scale,
-            causal_offset=call.causal_offset,
-            mask=call.mask,
-            rules=rules,
-            grad_lse=grad_lse,
-            mods=tile_mods,
-        )
-        dsinks = None
-        if call.sinks is not None and ctx.needs_input_grad[3]:
-            dsinks = flash.sink_gradient(out, lse, grad_out, grad_lse, call.sinks)
-        if dslopes is not None and call.alibi_slopes is not None:
-            dslopes = dslopes.sum_to_size(call.alibi_slopes.shape).to(call.alibi_slopes.dtype)
-        captured_grads = [
-            None if g is None else g.to(t.dtype)
-            for g, t in zip(tile_mods.captured_grads, ctx.captured, strict=True)
-        ]
-        grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, dslopes, None)
-        return (*grads, *captured_grads)
