@@ -80,14 +80,36 @@ def mods_benchmark(length: int, shape: Shape, repeats: int) -> dict[str, Any]:
         },
         repeats,
     )
-    progress(f"compiled tile step: {compiled}")
+    progress(f"compiled tile step, whole forward: {compiled}")
+    step = _tile_step(t5, shape)
+    progress(f"compiled tile step, one tile: {step}")
     return {
         "length": length,
         "shape": f"B={shape.batch} H={shape.heads} T={length} D={shape.dim}",
         "block_skipping": skipping,
         "compiled_tile_step": compiled,
+        "compiled_tile_step_alone": step,
         "gap_to_arguments": _gaps(q, k, v, ids, repeats),
     }
+
+
+def _tile_step(score_mod: Callable[..., Any], shape: Shape) -> dict[str, Any]:
+    """The score_mod step on one full (B, H, 256, 512) tile, compiled against plain."""
+    from qkv import mods as own
+
+    tile = torch.randn(shape.batch, shape.heads, 256, 512)
+    index = own.indices(shape.batch, shape.heads, 0, 256, 512, 1024, tile.device)
+    plain = flash_mods._base2_step(score_mod)
+    compiled = flash_mods._compiled(score_mod, plain)
+    assert compiled is not None
+    with torch.no_grad():
+        return _ratio(
+            {
+                "compiled": lambda: tile.copy_(compiled(tile, *index)),
+                "plain": lambda: tile.copy_(plain(tile, *index)),
+            },
+            20,
+        )
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> None:
@@ -96,7 +118,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -
         qkv.attention(q, k, v, backend="flash", **kwargs)
 
 
-def _ratio(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, Any]:
+def _ratio(steps: dict[str, Callable[[], Any]], repeats: int) -> dict[str, Any]:
     """Median ms of each step, and the second's over the first's ("speedup")."""
     for step in steps.values():
         seconds(step)  # warm up
@@ -203,6 +225,10 @@ def format_mods(record: dict[str, Any]) -> str:
         f"{skipping['speedup']:.1f}x faster",
         f"  causal + T5-bucket score_mod: {compiled['ms']['compiled']:.1f} ms compiled, "
         f"{compiled['ms']['plain loop']:.1f} ms plain loop: {compiled['speedup']:.1f}x faster",
+        f"    its step alone on one (B, H, 256, 512) tile: "
+        f"{record['compiled_tile_step_alone']['ms']['compiled']:.2f} ms compiled, "
+        f"{record['compiled_tile_step_alone']['ms']['plain']:.2f} ms plain: "
+        f"{record['compiled_tile_step_alone']['speedup']:.1f}x faster",
         "  a mod against the qkv argument it equals (causal): mod ms / argument ms",
     ]
     for name, gap in record["gap_to_arguments"].items():
