@@ -261,3 +261,24 @@ def test_the_tile_mods_use_the_loops_query_tile() -> None:
     from qkv.backends.flash import loop
 
     assert flash_mods.QUERY_TILE == loop.QUERY_TILE
+
+
+@pytest.mark.parametrize("backend", ["reference", "flash"])
+def test_empty_sequences_and_several_batch_dims(backend: str) -> None:
+    def doubled(score: Any, b: Any, h: Any, qi: Any, kv: Any) -> Any:
+        return score * 2
+
+    for lq, lk in ((0, 5), (5, 0), (0, 0)):
+        q, k, v = torch.randn(1, 2, lq, 4), torch.randn(1, 2, lk, 4), torch.randn(1, 2, lk, 4)
+        out = qkv.attention(q, k, v, score_mod=doubled, mask_mod=causal, backend=backend)
+        assert out.shape == (1, 2, lq, 4) and not bool(out.any())
+    # b counts the batch dims flattened: (3, 2) batch entries are b = 0 ... 5
+    q, k, v = (torch.randn(3, 2, 2, 70, 4, dtype=torch.float64) for _ in range(3))
+    per_entry = torch.randn(6, dtype=torch.float64)
+
+    def by_entry(score: Any, b: Any, h: Any, qi: Any, kv: Any) -> Any:
+        return score + per_entry[b] * (qi - kv)
+
+    out = qkv.attention(q, k, v, score_mod=by_entry, mask_mod=causal, backend=backend)
+    flat = oracle(*(x.reshape(6, 2, 70, 4) for x in (q, k, v)), by_entry, causal)[0]
+    torch.testing.assert_close(out, flat.view(3, 2, 2, 70, 4), atol=1e-10, rtol=1e-10)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -206,7 +207,7 @@ def dense_scores(
     score_mod: Callable[..., Any], scores: torch.Tensor, batch: tuple[int, ...]
 ) -> torch.Tensor:
     """``score_mod`` applied to every score of (*batch, Hq, Lq, Lk) scaled ``scores``."""
-    flat = scores.reshape(-1, *scores.shape[-3:])  # (B, Hq, Lq, Lk)
+    flat = scores.reshape(math.prod(batch), *scores.shape[-3:])  # (B, Hq, Lq, Lk)
     b, hq, lq, lk = flat.shape
     args = (flat, *indices(b, hq, 0, lq, 0, lk, scores.device))
     result = checked("score_mod", score_mod(*args), tuple(flat.shape), flat.dtype)
@@ -218,9 +219,7 @@ def dense_keep(
 ) -> torch.Tensor:
     """``mask_mod`` over (*batch, Hq, Lq, Lk) ``shape``: bool, broadcastable to it."""
     *batch, hq, lq, lk = shape
-    b = 1
-    for size in batch:
-        b *= size
+    b = math.prod(batch)
     keep = mask_mod(*indices(b, hq, 0, lq, 0, lk, device))
     keep = checked("mask_mod", keep, (b, hq, lq, lk), torch.bool)
     return keep.expand(b, hq, lq, lk).reshape(shape)
