@@ -199,3 +199,17 @@ def test_gradients_with_qkv_arguments_sinks_and_slopes_match_the_reference() -> 
         results.append(torch.autograd.grad((out * out).sum() + lse.sum(), inputs))
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def test_a_score_mod_that_ignores_the_score_passes_no_gradient_through_it() -> None:
+    q, k, v = tensors(length=40)
+    bias = torch.randn(40, dtype=torch.float64)
+
+    def constant(score: Any, b: Any, h: Any, qi: Any, kv: Any) -> Any:
+        return torch.zeros_like(score) + bias[kv]
+
+    for backend in ("flash", "reference"):
+        out = qkv.attention(q, k, v, score_mod=constant, mask_mod=causal, backend=backend)
+        dq, dv = torch.autograd.grad(out.sum(), (q, v), allow_unused=True)
+        assert dq is None or not bool(dq.any())  # the weights do not depend on q
+        assert bool(dv.any())

@@ -192,6 +192,8 @@ class TileMods:
             return ds
         raw, new = self._graph
         self._graph = None
+        if not new.requires_grad:  # a score_mod that reads neither the score nor a learned tensor
+            return ds.zero_()
         grad_new = ds.view(raw.shape).sum_to_size(new.shape)
         inputs = [raw, *self.captured]
         with torch.enable_grad():
