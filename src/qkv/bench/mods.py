@@ -99,8 +99,8 @@ def _tile_step(score_mod: Callable[..., Any], shape: Shape) -> dict[str, Any]:
 
     tile = torch.randn(shape.batch, shape.heads, 256, 512)
     index = own.indices(shape.batch, shape.heads, 0, 256, 512, 1024, tile.device)
-    plain = flash_mods._base2_step(score_mod)
-    compiled = flash_mods._compiled(score_mod, plain)
+    plain = flash_mods.base2_step(score_mod)
+    compiled = flash_mods.compiled_step(score_mod, plain)
     assert compiled is not None
     with torch.no_grad():
         return _ratio(

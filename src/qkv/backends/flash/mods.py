@@ -157,17 +157,17 @@ class TileMods:
         """The score_mod step in base 2, compiled when asked or worth it, else plain (in a
         backward pass: the score_mod itself, compiled with its gradient, as ``_grad_step``)."""
         assert self.score_mod is not None
-        plain = _base2_step(self.score_mod)
+        plain = base2_step(self.score_mod)
         mode = _SETTINGS["compile"]
         tiles = math.ceil(self.lq / QUERY_TILE) * math.ceil(self.lk / tile.shape[-1])
         wanted = mode == "1" or (mode == "auto" and tiles >= COMPILE_MIN_TILES)
         if not wanted or self.device.type != "cpu":
             return plain
         if self.grad:
-            grad_step = _compiled(("grad", self.score_mod), self.score_mod)
+            grad_step = compiled_step(("grad", self.score_mod), self.score_mod)
             self._grad_step = self.score_mod if grad_step is None else grad_step
             return plain
-        compiled = _compiled(self.score_mod, plain)
+        compiled = compiled_step(self.score_mod, plain)
         if compiled is None:  # (it failed before)
             return plain
         try:  # the compiled step must agree with the plain one on this tile
@@ -222,7 +222,7 @@ def _identity(score: torch.Tensor, *index: torch.Tensor) -> torch.Tensor:
     return score
 
 
-def _base2_step(score_mod: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+def base2_step(score_mod: Callable[..., Any]) -> Callable[..., torch.Tensor]:
     """The score_mod on base-2 scores: natural in, natural out, base 2 again."""
 
     def step(tile: torch.Tensor, *index: torch.Tensor) -> torch.Tensor:
@@ -232,7 +232,7 @@ def _base2_step(score_mod: Callable[..., Any]) -> Callable[..., torch.Tensor]:
     return step
 
 
-def _compiled(score_mod: Any, plain: Callable[..., Any]) -> Callable[..., Any] | None:
+def compiled_step(score_mod: Any, plain: Callable[..., Any]) -> Callable[..., Any] | None:
     """``torch.compile`` of the step (static shapes: each tile shape compiles once), cached per
     score_mod; None where it failed before."""
     try:
