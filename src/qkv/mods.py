@@ -211,7 +211,17 @@ def dense_scores(
     b, hq, lq, lk = flat.shape
     args = (flat, *indices(b, hq, 0, lq, 0, lk, scores.device))
     result = checked("score_mod", score_mod(*args), tuple(flat.shape), flat.dtype)
+    with torch.no_grad():  # as flash does: the same refusals on every backend
+        check_elementwise("score_mod", score_mod, corner(args))
     return result.expand(flat.shape).reshape(scores.shape)
+
+
+def corner(args: tuple[torch.Tensor, ...], rows: int = 32, cols: int = 64) -> tuple[Any, ...]:
+    """A score_mod's arguments (score, b, h, q_idx, kv_idx) cut to a block's first ``rows``
+    queries and ``cols`` keys: enough for ``check_elementwise`` to tell, and cheap."""
+    score, b, h, q_idx, kv_idx = args
+    rows, cols = min(rows, score.shape[-2]), min(cols, score.shape[-1])
+    return (score[..., :rows, :cols].detach(), b, h, q_idx[..., :rows, :], kv_idx[..., :cols])
 
 
 def dense_keep(

@@ -147,10 +147,7 @@ class TileMods:
         if self.differentiable:
             _check_captured(result, self.captured)
         with torch.no_grad():  # on a corner of the tile: cheap, and enough to tell
-            rows, cols = min(32, raw.shape[-2]), min(64, raw.shape[-1])
-            b, h, q_idx, kv_idx = index
-            corner = (raw[..., :rows, :cols], b, h, q_idx[..., :rows, :], kv_idx[..., :cols])
-            own.check_elementwise("score_mod", self.score_mod, corner)
+            own.check_elementwise("score_mod", self.score_mod, own.corner((raw, *index)))
         self._checked_score = True
 
     def _choose_step(self, tile: torch.Tensor, index: own.Indices) -> Callable[..., Any]:
