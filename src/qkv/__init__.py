@@ -5,6 +5,7 @@
 
 from qkv.cache import KVCache
 from qkv.checker import check
+from qkv.flex import flex_attention
 from qkv.functional import attention, attention_with_cache, merge
 from qkv.masks import (
     causal_mask,
@@ -29,6 +30,7 @@ __all__ = [
     "causal_mask",
     "check",
     "cu_seqlens_from_segments",
+    "flex_attention",
     "merge",
     "padding_mask",
     "segments_from_cu_seqlens",

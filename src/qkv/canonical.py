@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from qkv import _checks, masks
+from qkv import _checks, masks, mods
 from qkv.backends.base import NO_RULES, Call, Rules, default_scale
 from qkv.backends.dispatch import NAMES
 
@@ -42,6 +42,8 @@ def canonical_call(
     window: Any = None,
     segments: Any = None,
     return_lse: Any = False,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> tuple[Call, bool]:
     """Check every argument and build the backend's ``Call``; True if a head dim was added."""
     _check_tensors(q, k, v)
@@ -68,10 +70,11 @@ def canonical_call(
         _checks.mask("mask", mask, target, "(*batch, Hq, Lq, Lk)")
     call = make_call(q, k, v, mask, causal, scale, dropout_p, return_weights)
     plain = softcap is None and sinks is None and alibi_slopes is None and window is None
+    plain = plain and score_mod is None and mask_mod is None
     if plain and segments is None and return_lse is False:  # the common call: nothing more
         return call, squeeze_head
     rules, causal_offset = _rules(
-        call, batch, causal, softcap, sinks, alibi_slopes, window, segments
+        call, batch, causal, (softcap, sinks, alibi_slopes, window, segments, score_mod, mask_mod)
     )
     return_lse = _checks.boolean("return_lse", return_lse)
     call = dataclasses.replace(
@@ -81,17 +84,12 @@ def canonical_call(
 
 
 def _rules(
-    call: Call,
-    batch: tuple[int, ...],
-    causal: Any,
-    softcap: Any,
-    sinks: Any,
-    alibi_slopes: Any,
-    window: Any,
-    segments: Any,
+    call: Call, batch: tuple[int, ...], causal: Any, given: tuple[Any, ...]
 ) -> tuple[Rules, int | None]:
-    """The call's checked score rules (softcap, sinks, ALiBi slopes, window, segments) as one
-    ``Rules``, and its causal offset with the window's right edge folded in."""
+    """The call's checked score rules (``given``: softcap, sinks, ALiBi slopes, window,
+    segments, score_mod, mask_mod) as one ``Rules``, and its causal offset with the window's
+    right edge folded in."""
+    softcap, sinks, alibi_slopes, window, segments, score_mod, mask_mod = given
     hq, lq, lk = call.q.shape[-3], call.q.shape[-2], call.k.shape[-2]
     causal_offset, window_offset = call.causal_offset, None
     if window is not None:
@@ -114,6 +112,9 @@ def _rules(
         sinks=None
         if sinks is None
         else _checks.head_values("sinks", sinks, call.q, (hq,), "(Hq,)"),
+        # your own rule (qkv.mods)
+        score_mod=mods.check_mod("score_mod", score_mod, 5),
+        mask_mod=mods.check_mod("mask_mod", mask_mod, 4),
     )
     return rules, causal_offset
 

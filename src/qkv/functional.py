@@ -19,6 +19,7 @@ from qkv.backends import dispatch
 from qkv.backends.base import CacheWrite, Call
 from qkv.cache import KVCache
 from qkv.canonical import Causal, Segments, Window, canonical_call
+from qkv.mods import MaskMod, ScoreMod
 from qkv.paged import PagedKVCache, attention_with_paged_cache
 
 # attention's result: out, or (out, weights), (out, lse) or (out, weights, lse) as asked
@@ -43,6 +44,8 @@ def attention(
     window: Window = ...,
     segments: Segments = ...,
     return_lse: Literal[False] = ...,
+    score_mod: ScoreMod | None = ...,
+    mask_mod: MaskMod | None = ...,
 ) -> torch.Tensor: ...
 @overload
 def attention(
@@ -62,6 +65,8 @@ def attention(
     window: Window = ...,
     segments: Segments = ...,
     return_lse: Literal[False] = ...,
+    score_mod: ScoreMod | None = ...,
+    mask_mod: MaskMod | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention(
@@ -81,6 +86,8 @@ def attention(
     window: Window = ...,
     segments: Segments = ...,
     return_lse: Literal[True],
+    score_mod: ScoreMod | None = ...,
+    mask_mod: MaskMod | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention(
@@ -100,6 +107,8 @@ def attention(
     window: Window = ...,
     segments: Segments = ...,
     return_lse: Literal[True],
+    score_mod: ScoreMod | None = ...,
+    mask_mod: MaskMod | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 @overload
 def attention(
@@ -119,6 +128,8 @@ def attention(
     window: Window = ...,
     segments: Segments = ...,
     return_lse: bool = ...,
+    score_mod: ScoreMod | None = ...,
+    mask_mod: MaskMod | None = ...,
 ) -> Returned: ...
 def attention(
     q: torch.Tensor,
@@ -137,6 +148,8 @@ def attention(
     window: Window = None,
     segments: Segments = None,
     return_lse: bool = False,
+    score_mod: ScoreMod | None = None,
+    mask_mod: MaskMod | None = None,
 ) -> Returned:
     """Scaled dot-product attention: ``softmax(q kᵀ · scale + mask) v``.
 
@@ -177,6 +190,16 @@ def attention(
       scores over allowed keys and the sink (-inf for a row with neither), in float32 (float64
       for float64 inputs); ``merge`` combines two calls over two sets of keys with it.
 
+    Your own rule, with FlexAttention's signatures and meanings (``qkv.mods``, docs/flex.md):
+
+    - ``score_mod(score, b, h, q_idx, kv_idx)``: returns the new score for the scaled score
+      q·k·scale; softcap, ALiBi and a float mask then apply to what it returns.
+    - ``mask_mod(b, h, q_idx, kv_idx)``: True where the query may attend; joins mask, causal,
+      window and segments (a key must pass all).
+
+    Both are called per block with broadcast index tensors, so they must be elementwise; flash
+    skips the blocks mask_mod empties, and gradients reach the tensors score_mod captures.
+
     A query with no key it may attend gives 0 output, 0 weights and 0 gradient (never NaN).
     float16/bfloat16 inputs are computed with float32 scores, softmax and sums.
     """
@@ -196,6 +219,8 @@ def attention(
         window=window,
         segments=segments,
         return_lse=return_lse,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
     )
     return _run(call, backend, squeeze_head)
 

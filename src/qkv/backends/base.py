@@ -8,7 +8,9 @@ length, D features.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -42,6 +44,11 @@ class Rules:
     window_offset: int | None = None  # query i may attend key j only if j >= i + window_offset
     segments: tuple[torch.Tensor, torch.Tensor] | None = None  # ids (*batch, Lq), (*batch, Lk)
     sinks: torch.Tensor | None = None  # (Hq,) one extra logit per head with a zero value
+    # Your own rule (FlexAttention's signatures; ``qkv.mods``): score_mod(score, b, h, q_idx,
+    # kv_idx) replaces the scaled score before softcap/ALiBi/mask; mask_mod(b, h, q_idx, kv_idx)
+    # is True where the query may attend, and joins the other rules.
+    score_mod: Callable[..., Any] | None = None
+    mask_mod: Callable[..., Any] | None = None
 
     @property
     def structured(self) -> bool:
@@ -54,9 +61,14 @@ class Rules:
         return self.softcap is not None or self.alibi_slopes is not None
 
     @property
+    def mods(self) -> bool:
+        """Whether there is a ``score_mod`` or a ``mask_mod``."""
+        return self.score_mod is not None or self.mask_mod is not None
+
+    @property
     def empty(self) -> bool:
         """No rule at all."""
-        return not (self.structured or self.modified_scores or self.sinks is not None)
+        return not (self.structured or self.modified_scores or self.sinks is not None or self.mods)
 
 
 NO_RULES = Rules()
@@ -109,6 +121,11 @@ class Call:
     def structured(self) -> bool:
         """Whether the call restricts keys by a window or segments (beyond mask and causal)."""
         return self.rules.structured
+
+    @property
+    def mods(self) -> bool:
+        """Whether the call has a ``score_mod`` or a ``mask_mod``."""
+        return self.rules.mods
 
     @property
     def compute_dtype(self) -> torch.dtype:

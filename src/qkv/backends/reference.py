@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from qkv import _tracing, masks
+from qkv import _tracing, masks, mods
 from qkv.backends.base import Call
 
 # Bytes per score element that the computation holds at its peak (scores, their exponentials,
@@ -34,6 +34,9 @@ def attention(call: Call) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tens
     # which leaks weight to masked keys (and -1e9 overflows in float16). A key is blocked by the
     # mask, the causal rule, the window (i' - left <= j <= i' + right) or another segment.
     keep = call.may_attend()  # (*B, Hq, Lq, Lk) broadcastable, or None
+    if call.rules.mask_mod is not None:  # your own rule: True where the query may attend
+        own = mods.dense_keep(call.rules.mask_mod, scores.shape, scores.device)
+        keep = own if keep is None else keep & own
     has_key = None
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
@@ -68,6 +71,8 @@ def _scores(call: Call, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     # The scale 1/√d_k keeps the scores' variance near 1 whatever the head size, so the softmax
     # does not saturate into a one-hot.
     scores = (q @ k.transpose(-2, -1)) * call.scale  # (*B, Hq, Lq, Lk)
+    if call.rules.score_mod is not None:  # your own rule replaces the scaled score, first
+        scores = mods.dense_scores(call.rules.score_mod, scores, scores.shape[:-3])
     if call.rules.softcap is not None:  # Gemma 2: squash every score into (-softcap, softcap)
         scores = call.rules.softcap * torch.tanh(scores / call.rules.softcap)
     if call.rules.alibi_slopes is not None:  # ALiBi: -slope · |i + Lk - Lq - j|, a linear distance

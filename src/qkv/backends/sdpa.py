@@ -40,6 +40,11 @@ def why_not(call: Call) -> str | None:
         return "this torch has no grouped-query support in scaled_dot_product_attention"
     if call.return_lse:
         return 'torch\'s fused kernel does not return the log-sum-exp; use backend="flash"'
+    if call.mods:
+        return (
+            "torch's fused kernel takes no score_mod or mask_mod (your own rule runs per tile); "
+            'use backend="flash" or "reference"'
+        )
     if call.rules.softcap is not None or call.rules.sinks is not None:
         return (
             "torch's fused kernel has no soft-capping or sinks (they change the softmax itself); "

@@ -13,6 +13,7 @@
     qkv bench --continuous                      # transformers' generate_batch: qkv vs sdpa
     qkv bench --varlen                          # a packed varlen batch vs padding it
     qkv bench --paged                           # decoding against a paged vs a contiguous cache
+    qkv bench --mods 4096                       # score_mod / mask_mod: skipping, compile, memory
 
 The table goes to stdout; one progress line per case goes to stderr as the run goes on.
 """
@@ -30,6 +31,7 @@ import torch
 from qkv.backends.flash import kernel
 from qkv.bench import arguments, auto, cases, continuous, decode, isa, memory, report, runs, timing
 from qkv.bench import compile as compiled
+from qkv.bench import mods as mods_bench
 from qkv.bench import paged as paged_bench
 from qkv.bench import varlen as varlen_bench
 
@@ -120,6 +122,13 @@ def configure_only_modes(parser: argparse.ArgumentParser) -> None:
         help="only: what sinks, softcap, alibi_slopes, window and segments cost on flash, "
         "against the plain causal call at length T (default 4096)",
     )
+    add("--worker", help=argparse.SUPPRESS)
+    configure_newer_modes(parser)
+
+
+def configure_newer_modes(parser: argparse.ArgumentParser) -> None:
+    """The modes of ``newer_modes``: compile, serving, your own attention rule."""
+    add = parser.add_argument
     add(
         "--compile",
         type=positive,
@@ -153,7 +162,17 @@ def configure_only_modes(parser: argparse.ArgumentParser) -> None:
         help="only: one decoding step of 64 sequences of 1,024 tokens against a PagedKVCache "
         "(pages of 16) against the same step against a contiguous cache",
     )
-    add("--worker", help=argparse.SUPPRESS)
+    add(
+        "--mods",
+        type=positive,
+        nargs="?",
+        const=4096,
+        default=None,
+        metavar="T",
+        help="only: score_mod / mask_mod on flash at length T (default 4096): block skipping, "
+        "the compiled tile step, the gap to qkv's own arguments, and (unless --no-memory) the "
+        "peak memory of a T = 16384 causal training step with a learned relative-bias score_mod",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -188,7 +207,20 @@ def run(args: argparse.Namespace) -> int:
     elif args.auto:
         record["auto"] = auto.auto_benchmark(args.repeats)
         print(auto.format_auto(record["auto"]))
-    elif args.continuous is not None:
+    elif args.arguments is not None:
+        rows = arguments.arguments_benchmark(args.arguments, shape, args.repeats, args.passes)
+        record["arguments"] = rows
+        print(arguments.format_arguments(rows, args.arguments, shape))
+    elif not newer_modes(args, shape, record):
+        table(args, shape, record)
+    if args.json:
+        report.write_json(args.json, record)
+    return 0
+
+
+def newer_modes(args: argparse.Namespace, shape: cases.Shape, record: dict[str, Any]) -> bool:
+    """Run the serving, compile and mods benchmarks if ``args`` asks for one (True if so)."""
+    if args.continuous is not None:
         record["continuous"] = continuous.continuous_benchmark(
             args.continuous, repeats=args.repeats
         )
@@ -199,21 +231,21 @@ def run(args: argparse.Namespace) -> int:
     elif args.paged:
         record["paged"] = paged_bench.paged_benchmark(repeats=max(args.repeats, 7))
         print(paged_bench.format_paged(record["paged"]))
-    elif args.arguments is not None:
-        rows = arguments.arguments_benchmark(args.arguments, shape, args.repeats, args.passes)
-        record["arguments"] = rows
-        print(arguments.format_arguments(rows, args.arguments, shape))
     elif args.compile is not None:
         model = compiled.ModelShape(
             d_model=shape.d_model, heads=shape.heads, length=args.compile, batch=shape.batch
         )
         record["compile"] = compiled.compile_benchmark(model, args.repeats)
         print(compiled.format_compile(record["compile"], record["machine"]))
+    elif args.mods is not None:
+        record["mods"] = mods_bench.mods_benchmark(args.mods, shape, args.repeats)
+        record["mods"]["machine"] = record["machine"]
+        if not args.no_memory:
+            record["mods"]["memory"] = mods_bench.memory_check(16384, shape, args.threads)
+        print(mods_bench.format_mods(record["mods"]))
     else:
-        table(args, shape, record)
-    if args.json:
-        report.write_json(args.json, record)
-    return 0
+        return False
+    return True
 
 
 def table(args: argparse.Namespace, shape: cases.Shape, record: dict[str, Any]) -> None:

@@ -47,9 +47,10 @@ __all__ = [
 
 
 def runs_compiled(call: Call) -> bool:
-    """Whether this backend runs ``call``'s forward pass on the compiled kernel (segments only
-    in contiguous runs: ``rules.kernel_ranges``, which reads their ids)."""
-    if call.mask is not None or not kernel.takes(call.q, call.k, call.v):
+    """Whether this backend runs ``call``'s forward pass on the compiled kernel (no mask, no
+    score_mod or mask_mod, segments only in contiguous runs: ``rules.kernel_ranges``, which reads
+    their ids)."""
+    if call.mask is not None or call.mods or not kernel.takes(call.q, call.k, call.v):
         return False
     segments = call.rules.segments
     if segments is None:
@@ -85,7 +86,12 @@ def why_not(call: Call) -> str | None:
 def attention(call: Call) -> tuple[torch.Tensor, None, torch.Tensor | None]:
     """Run a checked call: (out in q's dtype, None, lse if the call asks for it). Traced
     (torch.compile, torch.export, fake or meta tensors), it is one custom operator
-    (``ops.attention``); eagerly the same functions run without the operator's dispatch."""
+    (``ops.attention``); eagerly the same functions run without the operator's dispatch. A
+    score_mod or mask_mod runs per tile on the loop (``mods.py``, ``mods_call.py``)."""
+    if call.mods:
+        from qkv.backends.flash import mods_call
+
+        return mods_call.attention(call)
     if _tracing.traced(call.q):
         out, lse = ops.attention(call)
     elif call.needs_gradients:  # (a float mask that needs them is refused by why_not)

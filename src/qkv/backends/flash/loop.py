@@ -76,12 +76,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from qkv import _checks, masks
 from qkv.backends.base import Rules, compute_dtype
 from qkv.backends.flash.rules import LOG2_E, TileRules  # scores in base-2 units
+
+if TYPE_CHECKING:
+    from qkv.backends.flash.mods import TileMods
 
 # Tile sizes: a (rows, keys) tile of scores for all heads of a call should stay in this machine's
 # caches while it is exponentiated and summed; measured on a 2-core x86 CPU (see
@@ -106,6 +110,7 @@ def forward(
     causal_offset: int | None = None,
     mask: torch.Tensor | None = None,
     rules: Rules | None = None,
+    mods: TileMods | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiled attention forward pass.
 
@@ -114,7 +119,8 @@ def forward(
     float added to the scaled scores) broadcasts to (*B, Hq, Lq, Lk); ``causal_offset``: query i
     may attend key j iff j <= i + causal_offset. ``rules``: soft-capping, ALiBi, a window's left
     edge and segments, computed per tile (``rules.py``); key tiles none of a query tile's rows
-    may reach are skipped.
+    may reach are skipped. ``mods``: a score_mod and mask_mod per tile (``mods.py``), which also
+    skips the tiles mask_mod empties.
 
     Returns ``out`` (*B, Hq, Lq, Dv) in the compute dtype (float32 for float16/bfloat16, else the
     input dtype) and ``lse`` (*B, Hq, Lq), the log-sum-exp of each row's scaled, masked scores
@@ -122,7 +128,7 @@ def forward(
     """
     with torch.no_grad():
         heads = _Heads.of(q, k, v, scale)
-        tiles = _Tiles(heads, mask, causal_offset, rules)
+        tiles = _Tiles(heads, mask, causal_offset, rules, mods=mods)
         lowest = torch.finfo(heads.dtype).min
         out = heads.new((heads.n, heads.g, heads.lq, heads.dv))
         lse = heads.new((heads.n, heads.g, heads.lq))
@@ -192,6 +198,7 @@ def backward_all(
     mask: torch.Tensor | None = None,
     rules: Rules | None = None,
     grad_lse: torch.Tensor | None = None,
+    mods: TileMods | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of attention over this block of keys.
 
@@ -205,11 +212,12 @@ def backward_all(
     ``grad_lse`` (*B, Hq, Lq), the gradient of lse if the caller uses it: d lse / d s_j = p_j, so
     it joins every score's gradient as ds_j = p_j (dp_j − D + grad_lse), i.e. D − grad_lse
     replaces D. The fourth result is the ALiBi slopes' gradient, (*B, Hq) (None unless
-    ``rules.alibi_slopes`` requires one).
+    ``rules.alibi_slopes`` requires one). ``mods`` (made for a backward pass) adds up the
+    gradients of the tensors its score_mod captures.
     """
     with torch.no_grad():
         heads = _Heads.of(q, k, v, scale)
-        tiles = _Tiles(heads, mask, causal_offset, rules, backward=True)
+        tiles = _Tiles(heads, mask, causal_offset, rules, backward=True, mods=mods)
         # D_i = Σ_d dout_id · out_id = Σ_j p_ij dp_ij over ALL keys of row i (see module doc).
         delta = (grad_out.to(heads.dtype) * out.to(heads.dtype)).sum(dim=-1, keepdim=True)
         if grad_lse is not None:
@@ -236,6 +244,8 @@ def backward_all(
                 ds = dp.sub_(delta_rows).mul_(p)  # (N, R, kt) dL/ds = p ∘ (dp − D)
                 if tiles.rules is not None:  # through ALiBi and soft-capping to q·k · scale
                     ds = tiles.rules.gradient(ds, q0, q1, k0, k1)
+                if mods is not None:  # through the score_mod (and to what it captures)
+                    ds = mods.gradient(ds)
                 dq_rows.baddbmm_(ds, heads.k[:, k0:k1])  # (N, R, Dk)
                 # q_rows carries scale · log2(e): dk = dsᵀ (q · scale) is this times ln(2)
                 dk[:, k0:k1].baddbmm_(ds.transpose(1, 2), q_rows)  # (N, kt, Dk)
@@ -359,8 +369,9 @@ class _Tiles:
         offset: int | None,
         rules: Rules | None = None,
         backward: bool = False,
+        mods: TileMods | None = None,
     ) -> None:
-        self.heads, self.mask, self.offset = heads, mask, offset
+        self.heads, self.mask, self.offset, self.mods = heads, mask, offset, mods
         self.rules = None
         if rules is not None and (rules.structured or rules.modified_scores):
             shape = (heads.n, heads.g, heads.lq, heads.lk)
@@ -376,11 +387,13 @@ class _Tiles:
         outside are skipped)."""
         if self.rules is not None:
             start, end = self.rules.key_range(self.offset, q0, q1)
-            return _spans(end, self.key_tile, start)
-        end = self.heads.lk
-        if self.offset is not None:
-            end = max(0, min(end, q1 - 1 + self.offset + 1))
-        return _spans(end, self.key_tile)
+            spans = _spans(end, self.key_tile, start)
+        else:
+            end = self.heads.lk
+            if self.offset is not None:
+                end = max(0, min(end, q1 - 1 + self.offset + 1))
+            spans = _spans(end, self.key_tile)
+        return spans if self.mods is None else self.mods.occupied(q0, q1, spans)
 
     def slopes_grad(self) -> torch.Tensor | None:
         """(*B, Hq): the ALiBi slopes' gradient a backward pass added up (None if none)."""
@@ -390,6 +403,13 @@ class _Tiles:
         return self.rules.slopes_grad.reshape(*heads.batch, heads.hkv * heads.g)
 
     def scores(self, q_rows: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        """``_scores``, then the mask_mod's blocked pairs set to −inf."""
+        scores = self._scores(q_rows, q0, q1, k0, k1)
+        if self.mods is not None:
+            self.mods.block(scores, q0, q1, k0, k1)
+        return scores
+
+    def _scores(self, q_rows: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         """(N, R, k1−k0) scores of queries q0:q1 against keys k0:k1 in base 2 (q_rows carries
         scale · log2(e)), float mask added, blocked pairs set to −inf."""
         heads = self.heads
@@ -399,6 +419,8 @@ class _Tiles:
         else:
             shape = (heads.n, q_rows.shape[1], k1 - k0)
             scores = torch.bmm(q_rows, keys_t, out=self._buffer("scores", shape, heads.dtype))
+        if self.mods is not None:  # the score_mod, before soft-capping and ALiBi
+            self.mods.modify(scores, q0, q1, k0, k1)
         offset = self._offset_in(q0, k1)
         lower, segments = None, None
         if self.rules is not None:
