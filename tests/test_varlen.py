@@ -112,10 +112,12 @@ def test_gradients_match_the_oracle(rule: str, path: str) -> None:
 
 
 def test_gradient_through_the_log_sum_exp(path: str) -> None:
-    """lse is differentiable too (that call runs sequence by sequence)."""
+    """lse is differentiable too, with out in one loss, sinks and ALiBi (the kernel's backward
+    takes lse's gradient)."""
     b = batch(Q_LENS, K_LENS)
     query = b.query.clone().requires_grad_()
-    _, lse = qkv.varlen_attn(
+    sinks = torch.randn(b.query.shape[1]).requires_grad_()
+    out, lse = qkv.varlen_attn(
         query,
         b.key,
         b.value,
@@ -124,13 +126,19 @@ def test_gradient_through_the_log_sum_exp(path: str) -> None:
         *b.bounds,
         enable_gqa=True,
         causal=True,
+        alibi_slopes=SLOPES,
+        sinks=sinks,
         return_aux=AuxRequest(lse=True),
     )
-    (mine,) = torch.autograd.grad(lse.nan_to_num(neginf=0.0).sum(), query)
-    exact = b.query.double().requires_grad_()
-    _, expected = oracle(b, query=exact, right=0)
-    (want,) = torch.autograd.grad(expected.nan_to_num(neginf=0.0).sum(), exact)
-    torch.testing.assert_close(mine.double(), want, atol=2e-5, rtol=2e-5)
+    weights = torch.linspace(-1, 1, out.numel()).view(out.shape)
+    loss = (out * weights).sum() + lse.nan_to_num(neginf=0.0).sum()
+    mine = torch.autograd.grad(loss, (query, sinks))
+    exact, exact_sinks = b.query.double().requires_grad_(), sinks.double().detach().requires_grad_()
+    out_64, lse_64 = oracle(b, query=exact, right=0, alibi_slopes=SLOPES, sinks=exact_sinks)
+    loss_64 = (out_64 * weights.double()).sum() + lse_64.nan_to_num(neginf=0.0).sum()
+    want = torch.autograd.grad(loss_64, (exact, exact_sinks))
+    for got, expected in zip(mine, want, strict=True):
+        torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

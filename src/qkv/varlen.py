@@ -97,7 +97,7 @@ def varlen_attn(
         _refuse_gradients(query, key, value, alibi_slopes, sinks)
         out, lse = flash_varlen.paged(query, key, value, packing, rules)
     else:
-        result = flash_varlen.packed(query, key, value, packing, rules, want_lse)
+        result = flash_varlen.packed(query, key, value, packing, rules)
         out, lse = result or one_by_one(query, key, value, packing, rules)
     return (out, lse) if want_lse else out
 

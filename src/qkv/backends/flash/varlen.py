@@ -44,27 +44,18 @@ def packed(
     value: torch.Tensor,
     packing: Packing,
     rules: VarlenRules,
-    want_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """out (T_q, H_q, Dv) in query's dtype and lse (H_q, T_q) on the kernel; None where it
-    does not take the call (the caller then runs each sequence alone): float64, another
-    device, no kernel, or a gradient asked through the log-sum-exp."""
-    lse_grad = want_lse and torch.is_grad_enabled() and _needs_grad(query, key, value, rules)
+    """out (T_q, H_q, Dv) in query's dtype and lse (H_q, T_q) on the kernel, both
+    differentiable; None where it does not take the call (the caller then runs each sequence
+    alone): float64, another device, no kernel."""
     q4, k4, v4 = (x.transpose(0, 1)[None] for x in (query, key, value))  # (1, H, T, D) views
-    if lse_grad or not kernel.takes(q4, k4, v4):
+    if not kernel.takes(q4, k4, v4):
         return None
     ranges = kernel_ranges(packing, rules)
     slopes = rules.alibi_slopes
     options = _Options(rules.scale, ranges, rules.softcap)
     out, lse = _Packed.apply(q4, k4, v4, rules.sinks, slopes, options)  # type: ignore[no-untyped-call]
     return out[0].transpose(0, 1).to(query.dtype), lse[0]
-
-
-def _needs_grad(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rules: VarlenRules
-) -> bool:
-    tensors = (query, key, value, rules.alibi_slopes, rules.sinks)
-    return any(x is not None and x.requires_grad for x in tensors)
 
 
 def paged(
@@ -130,12 +121,11 @@ class _Packed(torch.autograd.Function):
             out, lse = with_sinks(out, lse, sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks, slopes)
         ctx.options = options
-        ctx.mark_non_differentiable(lse)  # (packed() declines a gradient through lse)
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor, _: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor) -> tuple[Any, ...]:
         from qkv.backends.flash import sink_gradient
 
         q, k, v, out, lse, sinks, slopes = ctx.saved_tensors
@@ -153,12 +143,13 @@ class _Packed(torch.autograd.Function):
             ranges=ranges,
             softcap=options.softcap,
             slopes=_slopes(slopes),
+            grad_lse=grad_lse,
         )
         assert result is not None
         dq, dk, dv, dslopes = result
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
-            dsinks = sink_gradient(out, lse, grad_out, None, sinks)
+            dsinks = sink_gradient(out, lse, grad_out, grad_lse, sinks)
         if slopes is not None and dslopes is not None:
             dslopes = dslopes.to(slopes.dtype)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, dslopes, None
