@@ -53,3 +53,14 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
         monkeypatch.setattr(flash.kernel, "ENABLED", False)
         return "flash"
     return request.param
+
+
+@pytest.fixture(params=["kernel", "loop"])
+def kernel_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """flash's compiled CPU kernel (skipped where it is not available), or the same call with
+    the kernel switched off (QKV_FLASH_KERNEL=0's paths)."""
+    if request.param == "loop":
+        monkeypatch.setattr(flash.kernel, "ENABLED", False)
+    elif flash.kernel.load() is None:
+        pytest.skip("flash's compiled kernel is not available")
+    return str(request.param)

@@ -13,21 +13,11 @@ from oracle import TOLERANCE
 from varlen_oracle import batch, cumulative, oracle
 
 import qkv
-from qkv.backends.flash import kernel
 from qkv.paged import PoolExhausted
 from qkv.varlen import AuxRequest
 
 SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
 SINKS = torch.tensor([0.3, -1.0, 2.0, 0.0])
-
-
-@pytest.fixture(params=["kernel", "loop"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "loop":
-        monkeypatch.setattr(kernel, "ENABLED", False)
-    elif kernel.load() is None:
-        pytest.skip("flash's compiled kernel is not available")
-    return str(request.param)
 
 
 def test_pages_are_taken_as_needed_and_returned() -> None:
@@ -95,7 +85,9 @@ def paged_copy(b: Any, page_size: int = 4, pages: int = 64) -> tuple[qkv.PagedKV
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_paged_equals_contiguous(rules: dict[str, Any], dtype: torch.dtype, path: str) -> None:
+def test_paged_equals_contiguous(
+    rules: dict[str, Any], dtype: torch.dtype, kernel_path: str
+) -> None:
     b = batch([1, 2, 0, 1, 3], [9, 0, 4, 17, 30], dtype=dtype)
     cache, seqs = paged_copy(b)
     contiguous, lse = qkv.varlen_attn(
@@ -130,7 +122,7 @@ def test_paged_equals_contiguous(rules: dict[str, Any], dtype: torch.dtype, path
     torch.testing.assert_close(paged_lse.double(), lse.double(), atol=atol * 10, rtol=rtol)
 
 
-def test_paged_matches_the_oracle(path: str) -> None:
+def test_paged_matches_the_oracle(kernel_path: str) -> None:
     b = batch([1, 4, 1], [16, 7, 33])
     cache, seqs = paged_copy(b, page_size=16)
     out = qkv.varlen_attn(
@@ -151,7 +143,7 @@ def test_paged_matches_the_oracle(path: str) -> None:
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_attention_with_a_paged_cache_equals_a_kv_cache_per_sequence(path: str) -> None:
+def test_attention_with_a_paged_cache_equals_a_kv_cache_per_sequence(kernel_path: str) -> None:
     """Decoding three sequences of different prompt lengths in one paged batch, step by step,
     gives each the outputs it gets with its own KVCache."""
     torch.manual_seed(0)

@@ -15,7 +15,6 @@ from oracle import TOLERANCE
 from varlen_oracle import Batch, batch, cumulative, oracle
 
 import qkv
-from qkv.backends.flash import kernel
 from qkv.varlen import AuxRequest
 
 # Query and key lengths per sequence: a decoding row, an empty query, no keys, more queries than
@@ -58,16 +57,6 @@ def run(b: Batch, lse: bool = True, **kwargs: Any) -> Any:
     )
 
 
-@pytest.fixture(params=["kernel", "loop"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The compiled kernel's path, or (QKV_FLASH_KERNEL=0) each sequence through qkv.attention."""
-    if request.param == "loop":
-        monkeypatch.setattr(kernel, "ENABLED", False)
-    elif kernel.load() is None:
-        pytest.skip("flash's compiled kernel is not available")
-    return str(request.param)
-
-
 # A decoding batch: fewer than 16 query rows in all, the kernel's one-row-at-a-time path.
 DECODE_Q_LENS, DECODE_K_LENS = [1, 1, 2, 0, 1], [5, 9, 3, 2, 0]
 
@@ -75,7 +64,9 @@ DECODE_Q_LENS, DECODE_K_LENS = [1, 1, 2, 0, 1], [5, 9, 3, 2, 0]
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("lengths", ["prefill", "decode"])
-def test_forward_matches_the_oracle(rule: str, dtype: torch.dtype, lengths: str, path: str) -> None:
+def test_forward_matches_the_oracle(
+    rule: str, dtype: torch.dtype, lengths: str, kernel_path: str
+) -> None:
     ours, theirs = RULES[rule]
     q_lens, k_lens = (Q_LENS, K_LENS) if lengths == "prefill" else (DECODE_Q_LENS, DECODE_K_LENS)
     b = batch(q_lens, k_lens, dtype=dtype)
@@ -89,7 +80,7 @@ def test_forward_matches_the_oracle(rule: str, dtype: torch.dtype, lengths: str,
 
 
 @pytest.mark.parametrize("rule", ["causal", "window", "two-sided", "all"])
-def test_gradients_match_the_oracle(rule: str, path: str) -> None:
+def test_gradients_match_the_oracle(rule: str, kernel_path: str) -> None:
     ours, theirs = RULES[rule]
     b = batch(Q_LENS, K_LENS)
     leaves = [x.clone().requires_grad_() for x in (b.query, b.key, b.value)]
@@ -111,7 +102,7 @@ def test_gradients_match_the_oracle(rule: str, path: str) -> None:
         torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
 
 
-def test_gradient_through_the_log_sum_exp(path: str) -> None:
+def test_gradient_through_the_log_sum_exp(kernel_path: str) -> None:
     """lse is differentiable too, with out in one loss, sinks and ALiBi (the kernel's backward
     takes lse's gradient)."""
     b = batch(Q_LENS, K_LENS)
@@ -142,7 +133,7 @@ def test_gradient_through_the_log_sum_exp(path: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision(dtype: torch.dtype, path: str) -> None:
+def test_half_precision(dtype: torch.dtype, kernel_path: str) -> None:
     b = batch(Q_LENS, K_LENS, dtype=dtype)
     out, _ = run(b, causal=True, alibi_slopes=SLOPES, softcap=4.0)
     expected, _ = oracle(b, right=0, alibi_slopes=SLOPES, softcap=4.0)

@@ -34,9 +34,11 @@ def attend(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out (T, H_q, Dv) in the compute dtype and lse (H_q, T), without sinks. ``table``
     (N, max_pages) int64 and ``rows`` (T, 4) int64 (sequence, lo, hi, position) on the CPU."""
-    module = kernel.load() if _kernel_takes(query) else None
-    if module is None:
+    # the kernel's paged path takes float32 and bfloat16 (float16 runs the loop)
+    if query.dtype == torch.float16 or not kernel.takes(query, pool_k, pool_v):
         return _loop(query, pool_k, pool_v, table, rows, rules)
+    module = kernel.load()
+    assert module is not None  # built by takes
     slopes = rules.alibi_slopes
     out, lse = module.paged_decode(
         query.contiguous(),
@@ -49,15 +51,6 @@ def attend(
         torch.empty(0) if slopes is None else slopes.detach().to(torch.float32).contiguous(),
     )
     return out, lse.transpose(0, 1)
-
-
-def _kernel_takes(query: torch.Tensor) -> bool:
-    return (
-        kernel.ENABLED
-        and query.device.type == "cpu"
-        and query.dtype in (torch.float32, torch.bfloat16)
-        and query.numel() > 0
-    )
 
 
 def _loop(
