@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from qkv import _checks
-from qkv.backends.base import Call, Rules, compute_dtype
+from qkv.backends.base import CacheWrite, Call, Rules, compute_dtype
 from qkv.backends.flash import kernel, passes
 
 if TYPE_CHECKING:
@@ -251,10 +251,8 @@ def _decode_step(
     causal_offset: int | None,
 ) -> Tensor:
     if not kernel.decode_step_takes(q, k_new, v_new):  # (a device the kernel does not run)
-        added = k_new.shape[-2]
-        keys.narrow(-2, start, added).copy_(k_new)
-        values.narrow(-2, start, added).copy_(v_new)
-        seen = start + added
+        CacheWrite(k_new, v_new, keys, values, start).apply()
+        seen = start + k_new.shape[-2]
         out, _ = passes.forward(
             q,
             keys.narrow(-2, 0, seen),
