@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from qkv import _checks
+from qkv import _checks, _tracing
 
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Any]
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Any]
@@ -74,15 +74,22 @@ def indices(
 
 
 def checked(name: str, result: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A mod's result for a block of ``shape``: a tensor of ``dtype`` (bool for a mask_mod) that
-    broadcasts to ``shape`` without growing it (TypeError/ValueError otherwise)."""
+    """A mod's result for a block of ``shape``, as FlexAttention takes it: a tensor that
+    broadcasts to ``shape`` without growing it (a 0-dim tensor, one value per query, per key, per
+    head or per batch entry included). A mask_mod's is bool; a score_mod's is floating and comes
+    back in ``dtype`` (as torch writes a score_mod's result into its scores). TypeError or
+    ValueError naming the mod otherwise."""
     if not isinstance(result, torch.Tensor):
-        raise TypeError(f"{name} must return a tensor, got {type(result).__name__}")
-    if result.dtype != dtype:
-        what = "bool (True = may attend)" if dtype == torch.bool else f"the score's dtype {dtype}"
         raise TypeError(
-            f"{name} must return {what}, got {result.dtype} (a tensor it reads, e.g. a bias "
-            f"table, may have promoted it: convert it with .to(score.dtype))"
+            f"{name} must return a tensor (as FlexAttention's do), got {type(result).__name__}; "
+            f"build constants from the arguments, e.g. b.new_ones((), dtype=torch.bool)"
+        )
+    if dtype == torch.bool and result.dtype != torch.bool:
+        raise TypeError(f"{name} must return bool (True = may attend), got {result.dtype}")
+    if dtype != torch.bool and not result.is_floating_point():
+        raise TypeError(
+            f"{name} must return a floating tensor (the new score, computed in {dtype}), got "
+            f"{result.dtype}; convert it with .to(score.dtype)"
         )
     grown = _checks.broadcast_shape(result.shape, shape) if result.dim() <= len(shape) else None
     if grown != tuple(shape):
@@ -91,7 +98,7 @@ def checked(name: str, result: Any, shape: tuple[int, ...], dtype: torch.dtype) 
             f"{tuple(shape)} (b, h, q_idx, kv_idx broadcast against each other), got "
             f"{tuple(result.shape)}; use elementwise arithmetic on its arguments"
         )
-    return result
+    return result if result.dtype == dtype else result.to(dtype)
 
 
 def check_elementwise(name: str, mod: Callable[..., Any], args: tuple[Any, ...]) -> None:
@@ -129,10 +136,10 @@ def _narrow(x: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
 
 def same(got: torch.Tensor, expected: torch.Tensor) -> bool:
     """Equal up to a few units in the last place (vectorised and scalar paths may round apart)."""
-    if got.shape != expected.shape and got.dim() == expected.dim():
+    if got.shape != expected.shape:  # one value per score, or broadcast to them
+        if _checks.broadcast_shape(got.shape, expected.shape) != tuple(expected.shape):
+            return False
         got = got.expand_as(expected)
-    if got.shape != expected.shape:
-        return False
     if got.dtype == torch.bool:
         return bool(torch.equal(got, expected))
     tol = 8 * torch.finfo(got.dtype).eps if got.is_floating_point() else 0.0
@@ -211,8 +218,9 @@ def dense_scores(
     b, hq, lq, lk = flat.shape
     args = (flat, *indices(b, hq, 0, lq, 0, lk, scores.device))
     result = checked("score_mod", score_mod(*args), tuple(flat.shape), flat.dtype)
-    with torch.no_grad():  # as flash does: the same refusals on every backend
-        check_elementwise("score_mod", score_mod, corner(args))
+    if not _tracing.traced(scores):  # (it compares values: a tracer runs the mod as given)
+        with torch.no_grad():  # as flash does: the same refusals on every backend
+            check_elementwise("score_mod", score_mod, corner(args))
     return result.expand(flat.shape).reshape(scores.shape)
 
 

@@ -34,6 +34,9 @@ def attention(call: Call) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tens
     # which leaks weight to masked keys (and -1e9 overflows in float16). A key is blocked by the
     # mask, the causal rule, the window (i' - left <= j <= i' + right) or another segment.
     keep = call.may_attend()  # (*B, Hq, Lq, Lk) broadcastable, or None
+    if call.rules.score_mod is not None:  # a score_mod blocks the pairs it sets to -inf itself
+        finite = scores != float("-inf")
+        keep = finite if keep is None else keep & finite
     if call.rules.mask_mod is not None:  # your own rule: True where the query may attend
         own = mods.dense_keep(call.rules.mask_mod, scores.shape, scores.device)
         keep = own if keep is None else keep & own

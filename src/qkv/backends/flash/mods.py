@@ -132,6 +132,7 @@ class TileMods:
                         raise
                     self._grad_step = self.score_mod
                     new = self.score_mod(raw, *index)
+                new = new.to(raw.dtype)  # (a score_mod may compute in another float dtype)
             self._graph = (raw, new)
             tile.copy_(new.detach()).mul_(LOG2_E)
             return
@@ -318,13 +319,22 @@ def _evaluate_occupancy(
             k1 = min(lk, k0 + chunk)
             keep = mask_mod(*own.indices(batch, heads, q0, q1, k0, k1, device))
             keep = own.checked("mask_mod", keep, (batch, heads, q1 - q0, k1 - k0), torch.bool)
-            keep = keep.reshape(-1, keep.shape[-1])  # (rows, kt): all (b, h, q) together
+            some, every = _columns(keep, k1 - k0)
             pad = (-(k1 - k0)) % KEY_BLOCK
             n = (k1 - k0 + pad) // KEY_BLOCK
-            cols = torch.nn.functional.pad(keep.view(torch.uint8), (0, pad))
-            some = cols.view(-1, n, KEY_BLOCK).amax(dim=(0, 2)) > 0
-            cols_all = torch.nn.functional.pad(keep.view(torch.uint8), (0, pad), value=1)
-            every = cols_all.view(-1, n, KEY_BLOCK).amin(dim=(0, 2)) > 0
+            some = torch.nn.functional.pad(some, (0, pad)).view(n, KEY_BLOCK).any(dim=1)
+            every = torch.nn.functional.pad(every, (0, pad), value=True)
+            every = every.view(n, KEY_BLOCK).all(dim=1)
             state = torch.where(every, FULL, torch.where(some, PARTIAL, EMPTY))
             states[i, k0 // KEY_BLOCK : k0 // KEY_BLOCK + n] = state.to(torch.int8).cpu()
     return states
+
+
+def _columns(keep: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys,) bool twice: whether some (b, h, q) of a broadcastable ``keep`` block may attend
+    each key, and whether every one may. Reduced over the axes ``keep`` has (a size-1 axis
+    stands for all its entries), then broadcast along the keys: no (B, Hq, R, kt) copy."""
+    rows = keep.reshape(-1, keep.shape[-1]) if keep.dim() > 0 else keep.reshape(1, 1)
+    some = rows.any(dim=0).expand(keys)
+    every = rows.all(dim=0).expand(keys)
+    return some.contiguous(), every.contiguous()
