@@ -233,7 +233,9 @@ def test_errors_say_what_went_wrong() -> None:
     q, k, v = inputs(length=300)
     cases: list[tuple[dict[str, Any], type[Exception], str]] = [
         ({"score_mod": lambda s, b, h, i, j: s.sum(-1)}, ValueError, "one value per score"),
-        ({"score_mod": lambda s, b, h, i, j: s.float()}, TypeError, "dtype"),
+        ({"score_mod": lambda s, b, h, i, j: i - j}, TypeError, "floating tensor"),
+        ({"score_mod": lambda s, b, h, i, j: 0.5}, TypeError, "must return a tensor"),
+        ({"mask_mod": lambda b, h, i, j: True}, TypeError, "must return a tensor"),
         (
             {"score_mod": lambda s, b, h, i, j: s - s.amax(-1, keepdim=True)},
             ValueError,

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from qkv import _checks
+from qkv import _checks, _tracing, mods
 from qkv.functional import attention
 from qkv.mods import ScoreMod
 
@@ -109,6 +109,10 @@ class BlockSparse:
         _check_fits(block_mask, query, lq, lk, self.q_block, self.kv_block)
         self.states = _block_states(block_mask)  # (Bm, Hm, nQ, nKV) int8
         self.mask_mod = None if block_mask.mask_mod is noop_mask else block_mask.mask_mod
+        if self.mask_mod is not None and not _tracing.traced(query):  # on blocks or per score
+            corner = mods.indices(query.shape[0], query.shape[1], 0, min(lq, 32), 0, 1, key.device)
+            corner = (*corner[:3], mods.indices(1, 1, 0, 1, 0, min(lk, 64), key.device)[3])
+            self.mask_mod = mods.resolve("mask_mod", self.mask_mod, corner, torch.bool)
 
     def __call__(
         self, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor

@@ -101,6 +101,48 @@ def checked(name: str, result: Any, shape: tuple[int, ...], dtype: torch.dtype) 
     return result if result.dtype == dtype else result.to(dtype)
 
 
+def resolve(name: str, mod: Callable[..., Any], args: tuple[Any, ...], dtype: torch.dtype) -> Any:
+    """``mod`` as qkv evaluates it, decided on one block's ``args`` (index tensors last four):
+    itself, run on whole blocks with broadcast indices; or, for a mod written for one score at
+    a time that fails on a block (``torch.dot`` of gathered rows, a gathered row indexed by
+    position), ``per_score(mod)``: the way torch's FlexAttention evaluates every mod. A block
+    result of the wrong shape or dtype is an error (``checked``), and so is a failure both ways
+    (the block evaluation's error)."""
+    shape = _checks.broadcast_shape(*(a.shape for a in args)) or ()
+    try:
+        result = mod(*args)
+    except (RuntimeError, IndexError, ValueError) as error:
+        scalar = per_score(mod)
+        try:
+            checked(name, scalar(*args), shape, dtype)
+        except Exception:
+            raise error from None
+        return scalar
+    checked(name, result, shape, dtype)
+    return mod
+
+
+def per_score(mod: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    """``mod`` evaluated one score at a time under ``torch.vmap`` over b, h, q_idx and kv_idx
+    (a score_mod's score mapped along with them), as torch's FlexAttention does: every
+    function of one score is elementwise by construction. Returns (B, Hq, R, C)."""
+
+    def run(*args: torch.Tensor) -> torch.Tensor:
+        *score, b, h, q_idx, kv_idx = args
+        axes = (b.reshape(-1), h.reshape(-1), q_idx.reshape(-1), kv_idx.reshape(-1))
+        full = tuple(a.numel() for a in axes)
+        lead = tuple(s.expand(full) for s in score)
+        fn: Callable[..., Any] = mod
+        for mapped in reversed(range(4)):  # the innermost vmap maps kv_idx
+            dims = tuple(0 if i == mapped else None for i in range(4))
+            fn = torch.vmap(fn, in_dims=(0,) * len(lead) + dims)
+        result: torch.Tensor = fn(*lead, *axes)
+        return result
+
+    run.qkv_per_score = True  # type: ignore[attr-defined]
+    return run
+
+
 def check_elementwise(name: str, mod: Callable[..., Any], args: tuple[Any, ...]) -> None:
     """ValueError if ``mod`` reads other scores (or positions) than its own: a block evaluated
     whole must equal its halves evaluated apart, split by rows and by columns. A reduction over
@@ -217,8 +259,10 @@ def dense_scores(
     flat = scores.reshape(math.prod(batch), *scores.shape[-3:])  # (B, Hq, Lq, Lk)
     b, hq, lq, lk = flat.shape
     args = (flat, *indices(b, hq, 0, lq, 0, lk, scores.device))
+    if not _tracing.traced(scores):
+        score_mod = resolve("score_mod", score_mod, corner(args), flat.dtype)
     result = checked("score_mod", score_mod(*args), tuple(flat.shape), flat.dtype)
-    if not _tracing.traced(scores):  # (it compares values: a tracer runs the mod as given)
+    if not _tracing.traced(scores) and not hasattr(score_mod, "qkv_per_score"):
         with torch.no_grad():  # as flash does: the same refusals on every backend
             check_elementwise("score_mod", score_mod, corner(args))
     return result.expand(flat.shape).reshape(scores.shape)
@@ -238,6 +282,9 @@ def dense_keep(
     """``mask_mod`` over (*batch, Hq, Lq, Lk) ``shape``: bool, broadcastable to it."""
     *batch, hq, lq, lk = shape
     b = math.prod(batch)
+    if not (torch.compiler.is_compiling() or device.type == "meta"):
+        corner_args = indices(b, hq, 0, min(lq, 32), 0, min(lk, 64), device)
+        mask_mod = resolve("mask_mod", mask_mod, corner_args, torch.bool)
     keep = mask_mod(*indices(b, hq, 0, lq, 0, lk, device))
     keep = checked("mask_mod", keep, (b, hq, lq, lk), torch.bool)
     return keep.expand(b, hq, lq, lk).reshape(shape)

@@ -81,12 +81,19 @@ class TileMods:
         self.device, self.captured, self.grad = device, captured, grad
         self.differentiable = differentiable or grad  # a backward pass may follow
         self.captured_grads: list[torch.Tensor | None] = [None] * len(captured)
-        self.occupancy = _occupancy(mask_mod, shape, device) if mask_mod is not None else None
+        if mask_mod is not None:  # on blocks, or per score (``qkv.mods.resolve``)
+            corner = own.indices(self.batch, self.heads, 0, min(self.lq, 32), 0, 64, device)
+            corner = (*corner[:3], corner[3][..., : min(self.lk, 64)])
+            self.mask_mod = own.resolve("mask_mod", mask_mod, corner, torch.bool)
+        self.occupancy = None
+        if mask_mod is not None:
+            self.occupancy = _occupancy(mask_mod, shape, device, self.mask_mod)
         self._checked_score = self._checked_mask = grad  # (the forward pass checked them)
         self._step: Callable[..., Any] | None = None
         self._grad_step: Callable[..., Any] = score_mod or _identity
         self._graph: tuple[torch.Tensor, torch.Tensor] | None = None  # backward: (input, output)
         self._full: set[tuple[int, int, int]] = set()
+        self._resolved = False  # whether the score_mod runs on blocks or per score is decided
 
     def occupied(self, q0: int, q1: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """The key tiles of ``spans`` that the mask_mod leaves a pair in, trimmed to their first
@@ -118,6 +125,10 @@ class TileMods:
             return
         tile = self._view(scores, q0, q1)
         index = own.indices(self.batch, self.heads, q0, q1, k0, k1, self.device)
+        if not self._resolved:  # on blocks, or per score (``qkv.mods.resolve``)
+            corner = own.corner((tile.mul(LN_2), *index))
+            self.score_mod = own.resolve("score_mod", self.score_mod, corner, tile.dtype)
+            self._grad_step, self._resolved = self.score_mod, True
         if not self._checked_score:
             self._check_score(tile, index)
         if self._step is None:
@@ -159,7 +170,7 @@ class TileMods:
         mode = _SETTINGS["compile"]
         tiles = math.ceil(self.lq / QUERY_TILE) * math.ceil(self.lk / tile.shape[-1])
         wanted = mode == "1" or (mode == "auto" and tiles >= COMPILE_MIN_TILES)
-        if not wanted or self.device.type != "cpu":
+        if not wanted or self.device.type != "cpu" or hasattr(self.score_mod, "qkv_per_score"):
             return plain
         if self.grad:
             grad_step = compiled_step(("grad", self.score_mod), self.score_mod)
@@ -276,10 +287,14 @@ def _check_captured(result: torch.Tensor, captured: list[torch.Tensor]) -> None:
 
 
 def _occupancy(
-    mask_mod: Callable[..., Any], shape: tuple[int, int, int, int], device: torch.device
+    mask_mod: Callable[..., Any],
+    shape: tuple[int, int, int, int],
+    device: torch.device,
+    run: Callable[..., Any],
 ) -> torch.Tensor:
     """(query tiles, key blocks) int8: EMPTY, PARTIAL or FULL over every batch entry and head,
-    from the mask_mod's own ``qkv_occupancy`` (a BlockMask's) or by evaluating it; cached."""
+    from the mask_mod's own ``qkv_occupancy`` (a BlockMask's) or by evaluating it (as ``run``:
+    itself or per score); cached."""
     own_occupancy = getattr(mask_mod, "qkv_occupancy", None)
     if own_occupancy is not None:
         result: torch.Tensor = own_occupancy(shape, QUERY_TILE, KEY_BLOCK)
@@ -288,11 +303,11 @@ def _occupancy(
         key = (mask_mod, shape, device, _versions(mask_mod))
         hash(key)
     except TypeError:
-        return _evaluate_occupancy(mask_mod, shape, device)
+        return _evaluate_occupancy(run, shape, device)
     if key in _OCCUPANCY:
         _OCCUPANCY.move_to_end(key)
         return _OCCUPANCY[key]
-    _OCCUPANCY[key] = _evaluate_occupancy(mask_mod, shape, device)
+    _OCCUPANCY[key] = _evaluate_occupancy(run, shape, device)
     while len(_OCCUPANCY) > _CACHE_SIZE:
         _OCCUPANCY.popitem(last=False)
     return _OCCUPANCY[key]
