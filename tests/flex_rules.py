@@ -1,6 +1,6 @@
 """attention-gym's rules as score_mod / mask_mod, and a float64 dense oracle written apart from
-qkv: every mod is evaluated on full (B, H, L, S) index grids (one value per score, as torch's
-vmap would), the softmax runs over the allowed keys only, a row with none gives 0.
+qkv: every mod is evaluated one score at a time under torch.vmap (as torch's FlexAttention
+does), the softmax runs over the allowed keys only, a row with none gives 0.
 Legend: B batch, H heads, L query length, S key length."""
 
 from __future__ import annotations
@@ -109,24 +109,35 @@ def oracle(
     mask_mod: Callable[..., Any] | None,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out (B, Hq, L, Dv) and lse (B, Hq, L) in float64, differentiable."""
+    """out (B, Hq, L, Dv) and lse (B, Hq, L) in float64, differentiable. The mods run one score
+    at a time (``per_score``, as torch's FlexAttention runs them); a pair is blocked by the
+    mask_mod or by a score of −inf; a row with nothing left gives 0 (lse −inf)."""
     bsz, hq, lq, dk = q.shape
     lk, group = k.shape[-2], hq // k.shape[1]
     q64, k64, v64 = q.double(), k.double(), v.double()
     k64 = k64.repeat_interleave(group, dim=1)
     v64 = v64.repeat_interleave(group, dim=1)
     scale = 1 / math.sqrt(dk) if scale is None else scale
-    grids = torch.meshgrid(
-        torch.arange(bsz), torch.arange(hq), torch.arange(lq), torch.arange(lk), indexing="ij"
-    )
+    axes = [torch.arange(n, dtype=torch.int32) for n in (bsz, hq, lq, lk)]
     scores = q64 @ k64.transpose(-2, -1) * scale
     if score_mod is not None:
-        scores = score_mod(scores, *grids).to(torch.float64)
-    allowed = torch.ones_like(scores, dtype=torch.bool)
+        scores = per_score(score_mod, scores, *axes).to(torch.float64)
+    allowed = scores != -math.inf
     if mask_mod is not None:
-        allowed = mask_mod(*grids).expand_as(scores)
+        allowed = allowed & per_score(mask_mod, *axes)
     scores = scores.masked_fill(~allowed, -math.inf)
     has_key = allowed.any(dim=-1, keepdim=True)
     weights = torch.softmax(scores.masked_fill(~has_key, 0.0), dim=-1) * has_key
     lse = torch.logsumexp(scores, dim=-1)
     return weights @ v64, lse
+
+
+def per_score(mod: Callable[..., Any], *args: torch.Tensor) -> torch.Tensor:
+    """``mod`` on every (b, h, q_idx, kv_idx) of the 1-D ``args`` (a leading (B, H, L, S)
+    score for a score_mod): four nested ``torch.vmap``, each mapping one index, so the mod sees
+    one score and 0-dim indices. Returns (B, H, L, S)."""
+    lead = len(args) - 4
+    fn = mod
+    for mapped in (3, 2, 1, 0):  # the innermost maps kv_idx
+        fn = torch.vmap(fn, in_dims=(0,) * lead + tuple(0 if i == mapped else None for i in range(4)))
+    return fn(*args)

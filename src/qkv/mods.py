@@ -276,6 +276,12 @@ def corner(args: tuple[torch.Tensor, ...], rows: int = 32, cols: int = 64) -> tu
     return (score[..., :rows, :cols].detach(), b, h, q_idx[..., :rows, :], kv_idx[..., :cols])
 
 
+def kept(scores: torch.Tensor) -> torch.Tensor:
+    """Bool like ``scores``: the pairs a score_mod left open (it blocks a pair by setting its
+    score to −inf; a row it blocks whole gives 0 output, −inf lse and 0 gradient, as a mask)."""
+    return scores != float("-inf")
+
+
 def dense_keep(
     mask_mod: Callable[..., Any], shape: tuple[int, ...], device: torch.device
 ) -> torch.Tensor:

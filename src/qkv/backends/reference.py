@@ -35,8 +35,8 @@ def attention(call: Call) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tens
     # mask, the causal rule, the window (i' - left <= j <= i' + right) or another segment.
     keep = call.may_attend()  # (*B, Hq, Lq, Lk) broadcastable, or None
     if call.rules.score_mod is not None:  # a score_mod blocks the pairs it sets to -inf itself
-        finite = scores != float("-inf")
-        keep = finite if keep is None else keep & finite
+        kept = mods.kept(scores)
+        keep = kept if keep is None else keep & kept
     if call.rules.mask_mod is not None:  # your own rule: True where the query may attend
         own = mods.dense_keep(call.rules.mask_mod, scores.shape, scores.device)
         keep = own if keep is None else keep & own

