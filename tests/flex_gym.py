@@ -14,7 +14,6 @@ import torch
 from flex_mods import Case, Sizes, _causal_mask
 from torch.nn.attention.flex_attention import and_masks, noop_mask, or_masks
 
-
 # --- attention-gym: attn_gym/masks ------------------------------------------------------------
 
 
@@ -69,7 +68,7 @@ def generate_natten(cw: int, ch: int, kw: int, kh: int) -> Callable[..., Any]:  
     return natten_mask_mod
 
 
-def generate_tiled_natten(W: int, H: int, K_W: int, K_H: int, T_W: int, T_H: int) -> Any:  # noqa: N803
+def generate_tiled_natten(W: int, H: int, K_W: int, K_H: int, T_W: int, T_H: int) -> Any:
     def get_x_y_tiled(idx: Any) -> Any:
         t_id = idx // (T_H * T_W)
         t_y, t_x = t_id // (W // T_W), t_id % (W // T_W)
@@ -128,9 +127,7 @@ def generate_shared_prefix_mask_mod(offsets: Any, prefix_document_id: Any) -> An
 
 def generate_vision_cross_attention_mask_mod(intervals: Any, image_token_length: int) -> Any:
     num_images = intervals.shape[0]  # masks/flamingo.py
-    image_boundaries = torch.repeat_interleave(
-        torch.arange(num_images), repeats=image_token_length
-    )
+    image_boundaries = torch.repeat_interleave(torch.arange(num_images), repeats=image_token_length)
 
     def vision_cross_attention_mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         image_idx = image_boundaries[kv_idx]
@@ -304,7 +301,7 @@ def batchify_mask_mod(mask_mod: Any, batchify_size: int) -> Any:  # masks/batchi
 # --- attention-gym: attn_gym/mods -------------------------------------------------------------
 
 
-def generate_alibi_bias(H: int) -> Callable[..., Any]:  # noqa: N803  (mods/alibi.py)
+def generate_alibi_bias(H: int) -> Callable[..., Any]:
     def alibi_mod(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         scale = torch.exp2(-((h + 1) * 8.0 / H))
         bias = (kv_idx - q_idx) * scale
@@ -354,7 +351,7 @@ def generate_mla_rope_score_mod(query_rope: Any, key_rope: Any, num_heads: int) 
     return mla_rope_score_mod
 
 
-def generate_sandwich_bias(H: int, max_seq_len: int, d_bar: int = 128) -> Any:  # noqa: N803
+def generate_sandwich_bias(H: int, max_seq_len: int, d_bar: int = 128) -> Any:
     freqs = 1.0 / 10000 ** (2 * torch.arange(d_bar // 2, dtype=torch.float32) / d_bar)
     padded_len = -(-(2 * max_seq_len - 1) // 8) * 8  # mods/sandwich.py
     distances = torch.arange(padded_len, dtype=torch.float32) - (max_seq_len - 1)

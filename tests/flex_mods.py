@@ -11,7 +11,6 @@ Legend: B batch, H query heads, L query length, S key length, N = max(L, S).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -141,9 +140,7 @@ def torch_lists(s: Sizes) -> dict[str, Case]:
         "torch _trig2": Case(_trig2, None),
         "torch _identity + noop_mask": Case(_identity, noop_mask),
         "torch _causal + _causal_mask": Case(_causal, _causal_mask),
-        "torch _inverse_causal + _inverse_causal_mask": Case(
-            _inverse_causal, _inverse_causal_mask
-        ),
+        "torch _inverse_causal + _inverse_causal_mask": Case(_inverse_causal, _inverse_causal_mask),
         "torch _rel_causal + _causal_mask": Case(_rel_causal, _causal_mask),
     }
 
@@ -199,9 +196,7 @@ def torch_captured(s: Sizes) -> dict[str, Case]:
         "torch offset_q offset_kv + causal": Case(
             lambda sc, b, h, q, kv: sc + offset_q[q] + offset_kv[kv], _causal_mask, (offset_q,)
         ),
-        "torch apply_multiplicative_bias": Case(
-            lambda sc, b, h, q, kv: sc * multiplier[q], None
-        ),
+        "torch apply_multiplicative_bias": Case(lambda sc, b, h, q, kv: sc * multiplier[q], None),
         "torch inputs_are_realized": Case(lambda qk, b, h, q, kv: qk + realized[q], None),
         "torch modular_indexing": Case(
             lambda score, batch, head, q_idx, k_idx: score + modular[batch, head, q_idx, k_idx],
@@ -269,17 +264,13 @@ def torch_inline_scores(s: Sizes) -> dict[str, Case]:
             None,
         ),
         "torch seq_mask_mod": Case(
-            lambda score, b, h, q, kv: torch.where(
-                seq_idx[q] == seq_idx[kv], score, float("-inf")
-            ),
+            lambda score, b, h, q, kv: torch.where(seq_idx[q] == seq_idx[kv], score, float("-inf")),
             None,
         ),
         "torch dependent_causal_bidirectional": Case(bias_mod, None),
         "torch natten_2d": Case(natten_mask, None),
         "torch score_mod_func": Case(lambda score, b, h, q, kv: score - q // (1 + kv), None),
-        "torch silu_score": Case(
-            lambda score, b, h, q, kv: torch.nn.functional.silu(score), None
-        ),
+        "torch silu_score": Case(lambda score, b, h, q, kv: torch.nn.functional.silu(score), None),
         "torch padded_dense causal": Case(
             lambda qk, b, h, q, kv: torch.where(
                 qk <= seq_len[b], _causal(qk, b, h, q, kv), -float("inf")

@@ -127,8 +127,9 @@ def oracle(
         allowed = allowed & per_score(mask_mod, *axes)
     scores = scores.masked_fill(~allowed, -math.inf)
     has_key = allowed.any(dim=-1, keepdim=True)
-    weights = torch.softmax(scores.masked_fill(~has_key, 0.0), dim=-1) * has_key
-    lse = torch.logsumexp(scores, dim=-1)
+    scores = scores.masked_fill(~has_key, 0.0)  # (an empty row: 0 output, −inf lse, no NaN)
+    weights = torch.softmax(scores, dim=-1) * has_key
+    lse = torch.logsumexp(scores, dim=-1).masked_fill(~has_key[..., 0], -math.inf)
     return weights @ v64, lse
 
 
@@ -139,5 +140,7 @@ def per_score(mod: Callable[..., Any], *args: torch.Tensor) -> torch.Tensor:
     lead = len(args) - 4
     fn = mod
     for mapped in (3, 2, 1, 0):  # the innermost maps kv_idx
-        fn = torch.vmap(fn, in_dims=(0,) * lead + tuple(0 if i == mapped else None for i in range(4)))
+        fn = torch.vmap(
+            fn, in_dims=(0,) * lead + tuple(0 if i == mapped else None for i in range(4))
+        )
     return fn(*args)

@@ -17,8 +17,14 @@ from typing import Any
 import pytest
 import torch
 from flex_gym import gym_cases
-from flex_mods import Case, Sizes, torch_captured, torch_inline_masks, torch_inline_scores
-from flex_mods import torch_lists
+from flex_mods import (
+    Case,
+    Sizes,
+    torch_captured,
+    torch_inline_masks,
+    torch_inline_scores,
+    torch_lists,
+)
 from flex_rules import oracle
 from oracle import TOLERANCE
 from torch.nn.attention import flex_attention as torch_flex
@@ -124,20 +130,31 @@ def check_forward(name: str, geometry: tuple[int, int, int, int]) -> None:
         block_mask = torch_flex.create_block_mask(case.mask_mod, B, hq, lq, lk, device="cpu")
     gqa = hq != hkv
     want = torch_eager(q, k, v, case.score_mod, block_mask)
-    got = {"flex_attention": qkv.flex_attention(
-        q, k, v, case.score_mod, block_mask, enable_gqa=gqa, return_lse=True
-    )}
+    got = {
+        "flex_attention": qkv.flex_attention(
+            q, k, v, case.score_mod, block_mask, enable_gqa=gqa, return_lse=True
+        )
+    }
     for backend in BACKENDS:
         got[backend] = qkv.attention(
-            q, k, v, score_mod=case.score_mod, mask_mod=case.mask_mod, backend=backend,
+            q,
+            k,
+            v,
+            score_mod=case.score_mod,
+            mask_mod=case.mask_mod,
+            backend=backend,
             return_lse=True,
         )
     atol, rtol = TOLERANCE[torch.float64]
     for path, (out, lse) in got.items():
         where = f"{name} on {path}, (Lq, Lk, Hq, Hkv) = {geometry}"
         assert not out.isnan().any(), f"NaN output: {where}"
-        torch.testing.assert_close(out, want[0], atol=atol, rtol=rtol, msg=lambda m: f"{where}: {m}")
-        torch.testing.assert_close(lse, want[1], atol=atol, rtol=rtol, msg=lambda m: f"{where}: {m}")
+        torch.testing.assert_close(
+            out, want[0], atol=atol, rtol=rtol, msg=lambda m, where=where: f"{where}: {m}"
+        )
+        torch.testing.assert_close(
+            lse, want[1], atol=atol, rtol=rtol, msg=lambda m, where=where: f"{where}: {m}"
+        )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -147,3 +164,101 @@ def test_every_mod_equals_torchs_flex_attention(name: str) -> None:
     both = index < len(_broadcast(Sizes(B, 2, 300, 37)))
     for geometry in GEOMETRIES if both else [GEOMETRIES[index % 2]]:
         check_forward(name, geometry)
+
+
+def check_gradients(
+    name: str, geometry: tuple[int, int, int, int], paths: list[str], dtype: torch.dtype
+) -> None:
+    """Gradients of q, k, v and the captured tensors through out and lse (random cotangents,
+    also on rows with nothing left) equal the float64 oracle's, on each of ``paths``."""
+    lq, lk, hq, hkv = geometry
+    atol, rtol = TOLERANCE[dtype]
+    for path in paths:
+        case = all_cases(Sizes(B, hq, lq, lk, learned=True))[name]
+        tensors = [x.requires_grad_() for x in inputs(lq, lk, hq, hkv, dtype)]
+        sources = [*tensors, *case.learned]
+        want = oracle(*tensors, case.score_mod, case.mask_mod)
+        got = _call(path, tensors, case)
+        gen = torch.Generator().manual_seed(1)
+        cotangents = [torch.randn(w.shape, generator=gen, dtype=torch.float64) for w in want]
+        used = [i for i, w in enumerate(want) if w.requires_grad]  # (lse of a constant score)
+        expected = torch.autograd.grad(
+            [want[i] for i in used], sources, [cotangents[i] for i in used], allow_unused=True
+        )
+        grads = torch.autograd.grad(
+            [got[i] for i in used],
+            sources,
+            [cotangents[i].to(got[i].dtype) for i in used],
+            allow_unused=True,
+        )
+        for label, g, e in zip(["q", "k", "v", "captured"] * 2, grads, expected, strict=False):
+            if e is None:
+                continue
+            where = f"d{label} of {name} on {path} ({dtype}, (Lq, Lk, Hq, Hkv) = {geometry})"
+            assert g is not None and not g.isnan().any(), f"missing or NaN: {where}"
+            torch.testing.assert_close(
+                g.double(),
+                e.double(),
+                atol=atol,
+                rtol=rtol,
+                msg=lambda m, where=where: f"{where}: {m}",
+            )
+
+
+def _call(path: str, tensors: list[torch.Tensor], case: Case) -> Any:
+    q, k, v = tensors
+    if path != "flex_attention":
+        return qkv.attention(
+            q,
+            k,
+            v,
+            score_mod=case.score_mod,
+            mask_mod=case.mask_mod,
+            backend=path,
+            return_lse=True,
+        )
+    block_mask = None
+    if case.mask_mod is not None:
+        lq, lk = q.shape[-2], k.shape[-2]
+        block_mask = torch_flex.create_block_mask(case.mask_mod, B, q.shape[1], lq, lk, "cpu")
+    return qkv.flex_attention(q, k, v, case.score_mod, block_mask, enable_gqa=True, return_lse=True)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_mod_differentiates_like_a_float64_autograd(name: str) -> None:
+    index = NAMES.index(name)
+    paths = ["flash", "reference"] + (["auto", "flex_attention"] if index % 3 == 0 else [])
+    check_gradients(name, GEOMETRIES[(index + 1) % 2], paths, torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_broadcast_results_in_float32_and_bfloat16(dtype: torch.dtype) -> None:
+    for name in _broadcast(Sizes(B, 2, 300, 37)):
+        check_gradients(name, GEOMETRIES[0], ["flash", "reference"], dtype)
+
+
+def test_a_planted_occupancy_that_ignores_a_broadcast_axis_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """flash's block occupancy that reads only the first batch entry and head of a mask_mod's
+    result: the per-batch mask's second batch entry then attends keys it may not."""
+    columns = flash_mods._columns
+
+    def first_only(keep: torch.Tensor, keys: int) -> Any:
+        return columns(keep[:1, :1] if keep.dim() == 4 else keep, keys)
+
+    check_forward("per-batch mask", GEOMETRIES[0])  # (as it is: passes)
+    monkeypatch.setattr(flash_mods, "_columns", first_only)
+    with pytest.raises(AssertionError, match="per-batch mask on"):
+        check_forward("per-batch mask", GEOMETRIES[0])
+
+
+def test_a_planted_nan_for_a_row_a_score_mod_empties_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The reference backend without the pairs a score_mod blocks (−inf) in its keep-mask: a row
+    the score_mod empties is then softmax of −inf only, NaN."""
+    check_forward("score -inf rows", GEOMETRIES[0])  # (as it is: passes)
+    monkeypatch.setattr(qkv.mods, "kept", lambda scores: torch.ones_like(scores, dtype=torch.bool))
+    with pytest.raises(AssertionError, match="NaN output: score -inf rows on reference"):
+        check_forward("score -inf rows", GEOMETRIES[0])
