@@ -109,7 +109,9 @@ class BlockSparse:
         _check_fits(block_mask, query, lq, lk, self.q_block, self.kv_block)
         self.states = _block_states(block_mask)  # (Bm, Hm, nQ, nKV) int8
         self.mask_mod = None if block_mask.mask_mod is noop_mask else block_mask.mask_mod
-        if self.mask_mod is not None and not _tracing.traced(query):  # on blocks or per score
+        if self.mask_mod is not None and _tracing.traced(query):  # (see ``mods.dense_keep``)
+            self.mask_mod = mods.per_score(self.mask_mod)
+        elif self.mask_mod is not None:  # on blocks or per score
             corner = mods.indices(query.shape[0], query.shape[1], 0, min(lq, 32), 0, 1, key.device)
             corner = (*corner[:3], mods.indices(1, 1, 0, 1, 0, min(lk, 64), key.device)[3])
             self.mask_mod = mods.resolve("mask_mod", self.mask_mod, corner, torch.bool)

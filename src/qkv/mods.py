@@ -44,6 +44,8 @@ def check_mod(name: str, mod: Any, arity: int) -> Any:
         return None
     if not callable(mod):
         raise TypeError(f"{name} must be a callable or None, got {type(mod).__name__}")
+    if torch.compiler.is_compiling():  # (a tracer does not follow inspect; eager calls check)
+        return mod
     try:
         inspect.signature(mod).bind(*range(arity))
     except TypeError:
@@ -259,7 +261,9 @@ def dense_scores(
     flat = scores.reshape(math.prod(batch), *scores.shape[-3:])  # (B, Hq, Lq, Lk)
     b, hq, lq, lk = flat.shape
     args = (flat, *indices(b, hq, 0, lq, 0, lk, scores.device))
-    if not _tracing.traced(scores):
+    if _tracing.traced(scores):  # a tracer follows torch.vmap, not a failed block evaluation
+        score_mod = per_score(score_mod)
+    else:
         score_mod = resolve("score_mod", score_mod, corner(args), flat.dtype)
     result = checked("score_mod", score_mod(*args), tuple(flat.shape), flat.dtype)
     if not _tracing.traced(scores) and not hasattr(score_mod, "qkv_per_score"):
@@ -288,7 +292,9 @@ def dense_keep(
     """``mask_mod`` over (*batch, Hq, Lq, Lk) ``shape``: bool, broadcastable to it."""
     *batch, hq, lq, lk = shape
     b = math.prod(batch)
-    if not (torch.compiler.is_compiling() or device.type == "meta"):
+    if torch.compiler.is_compiling() or device.type == "meta":
+        mask_mod = mask_mod if hasattr(mask_mod, "qkv_occupancy") else per_score(mask_mod)
+    else:
         corner_args = indices(b, hq, 0, min(lq, 32), 0, min(lk, 64), device)
         mask_mod = resolve("mask_mod", mask_mod, corner_args, torch.bool)
     keep = mask_mod(*indices(b, hq, 0, lq, 0, lk, device))

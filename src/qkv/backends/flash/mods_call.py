@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
-from qkv import logsumexp
+from qkv import _tracing, logsumexp
 from qkv import mods as own
+from qkv.backends import reference
 from qkv.backends.base import Call, Rules
 from qkv.backends.flash import loop
 from qkv.backends.flash.mods import TileMods
@@ -22,6 +23,9 @@ from qkv.backends.flash.mods import TileMods
 def attention(call: Call) -> tuple[torch.Tensor, None, torch.Tensor | None]:
     """Run a checked call with a score_mod and/or mask_mod (and its other rules, as flash's
     tiles take them): (out in q's dtype, None, lse if asked)."""
+    if _tracing.traced(call.q):  # a tracer sees the dense rule, whole (``qkv.mods``)
+        out, _, lse = reference.attention(call)
+        return out, None, lse
     rules = call.rules
     captured = (
         own.captured_tensors(call.rules.score_mod) if call.rules.score_mod is not None else []
