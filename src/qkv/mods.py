@@ -8,11 +8,19 @@ block of scores with broadcast index tensors, so any elementwise torch arithmeti
 would on one score:
 
     score   (B, Hq, R, C)  the block's scaled scores, in the compute dtype (float32 for
-                           float16/bfloat16 inputs)
+                           float16/bfloat16 inputs); a floating result of another dtype
+                           comes back in it
     b       (B, 1, 1, 1)   batch index (all batch dims flattened), int32
     h       (1, Hq, 1, 1)  query head index
     q_idx   (1, 1, R, 1)   query positions of the block
     kv_idx  (1, 1, 1, C)   key positions of the block
+
+A result may be anything FlexAttention broadcasts: a 0-dim tensor, one value per query, per key,
+per head or per batch entry. A mod written for one score at a time, which fails on a block
+(``torch.dot`` of gathered rows), runs per score under ``torch.vmap`` (``resolve``,
+``per_score``), as torch runs every mod; so does every mod inside torch.compile, where the dense
+evaluation below is what a traced call runs. A score_mod that sets a pair to −inf blocks it
+(``kept``): a row it empties gives 0, as a masked one.
 
 This module is the one place that builds those index tensors, checks what a mod returns (shape,
 dtype, elementwise), and finds the tensors a mod captures that need gradients. The dense

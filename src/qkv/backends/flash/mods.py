@@ -13,6 +13,10 @@
   (tile sizes static; a tile shape compiles once).
 - ``block``: the mask_mod's blocked pairs set to −inf, except in full tiles (not evaluated).
 
+Each mod runs on whole tiles, or per score under ``torch.vmap`` when it fails on a block
+(``qkv.mods.resolve``, decided on the call's first corner); a mask_mod's result of any broadcast
+shape reduces to the occupancy along the axes it has (``_columns``).
+
 In a backward pass ``modify`` evaluates the score_mod under autograd and ``gradient`` turns
 dL/d(new score) into dL/d(scaled score) with ``torch.autograd.grad``, adding up the gradients
 of the tensors the score_mod captures (``qkv.mods.captured_tensors``: closure cells, globals,
@@ -81,13 +85,13 @@ class TileMods:
         self.device, self.captured, self.grad = device, captured, grad
         self.differentiable = differentiable or grad  # a backward pass may follow
         self.captured_grads: list[torch.Tensor | None] = [None] * len(captured)
+        self.occupancy: torch.Tensor | None = None
         if mask_mod is not None:  # on blocks, or per score (``qkv.mods.resolve``)
             corner = own.indices(self.batch, self.heads, 0, min(self.lq, 32), 0, 64, device)
             corner = (*corner[:3], corner[3][..., : min(self.lk, 64)])
-            self.mask_mod = own.resolve("mask_mod", mask_mod, corner, torch.bool)
-        self.occupancy = None
-        if mask_mod is not None:
-            self.occupancy = _occupancy(mask_mod, shape, device, self.mask_mod)
+            run = own.resolve("mask_mod", mask_mod, corner, torch.bool)
+            self.mask_mod = run
+            self.occupancy = _occupancy(mask_mod, shape, device, run)
         self._checked_score = self._checked_mask = grad  # (the forward pass checked them)
         self._step: Callable[..., Any] | None = None
         self._grad_step: Callable[..., Any] = score_mod or _identity
