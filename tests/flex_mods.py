@@ -358,3 +358,46 @@ def torch_inline_masks(s: Sizes) -> dict[str, Case]:
         ),
         "torch doc_mask_clamped": Case(None, doc_mask_mod),
     }
+
+
+def torch_decoding(s: Sizes) -> dict[str, Case]:
+    """Mods written inside test_flex_decoding.py's tests (those not above); its tables sized
+    for one query (q_scale, bias of (1, S)) are sized for the call's queries here."""
+    n = s.n
+    head_offset = torch.rand(s.heads, generator=s.gen, dtype=torch.float64)
+    head_scale, batch_scale = s.randn(s.heads), s.randn(s.batch, learned=True)
+    kv_scale, q_scale = s.randn(n), s.randn(n)
+    offset_tensor = torch.tensor(n // 2 - 3, dtype=torch.int32)
+    offset_192 = torch.tensor(192, dtype=torch.int32)
+    head_type = torch.tensor([i % s.heads != 0 for i in range(s.heads)], dtype=torch.bool)
+
+    def all_bias(score: Any, batch: Any, head: Any, token_q: Any, token_kv: Any) -> Any:
+        score = score + kv_scale[token_kv]
+        score = score + q_scale[token_q]
+        score = score + head_scale[head]
+        score = score + batch_scale[batch]
+        return score
+
+    def head_mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        bi_mask = head_type[h]
+        causal_mask = q_idx >= kv_idx
+        return bi_mask & causal_mask
+
+    return {
+        "decoding captured_buffers": Case(lambda score, b, h, m, n_: score + head_offset[h], None),
+        "decoding all_bias": Case(all_bias, None, (batch_scale,)),
+        "decoding causal_offset_mask": Case(
+            None, lambda b, h, q_idx, kv_idx: (offset_192 + q_idx) >= kv_idx
+        ),
+        "decoding non_divisible_offset_mask": Case(
+            None, lambda b, h, q, kv: kv >= q + offset_tensor
+        ),
+        "decoding offset_kv + offset mask": Case(
+            lambda score, b, h, q, kv: score + kv_scale[kv],
+            lambda b, h, q, kv: kv >= q + offset_tensor,
+        ),
+        "decoding head_attention_mod": Case(None, head_mask_mod),
+        "decoding windowed mask + _windowed": Case(
+            _generate_windowed(1000), lambda b, h, q, kv: q + 1000 >= kv
+        ),
+    }

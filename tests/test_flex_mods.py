@@ -21,6 +21,7 @@ from flex_mods import (
     Case,
     Sizes,
     torch_captured,
+    torch_decoding,
     torch_inline_masks,
     torch_inline_scores,
     torch_lists,
@@ -68,6 +69,7 @@ def all_cases(s: Sizes) -> dict[str, Case]:
         **torch_captured(s),
         **torch_inline_scores(s),
         **torch_inline_masks(s),
+        **torch_decoding(s),
         **gym_cases(s),
     }
 
