@@ -130,7 +130,8 @@ class TileMods:
         tile = self._view(scores, q0, q1)
         index = own.indices(self.batch, self.heads, q0, q1, k0, k1, self.device)
         if not self._resolved:  # on blocks, or per score (``qkv.mods.resolve``)
-            corner = own.corner((tile.mul(LN_2), *index))
+            score, *rest = own.corner((tile, *index))
+            corner = (score * LN_2, *rest)
             self.score_mod = own.resolve("score_mod", self.score_mod, corner, tile.dtype)
             self._grad_step, self._resolved = self.score_mod, True
         if not self._checked_score:
