@@ -124,17 +124,21 @@ struct ForwardPass {
     std::fill(scratch.acc.begin(), scratch.acc.end(), 0.f);
     std::fill(scratch.m.begin(), scratch.m.end(), kNegInf);
     std::fill(scratch.l.begin(), scratch.l.end(), 0.f);
-    const auto [keys_begin, keys_end] = span;
+    auto [keys_begin, keys_end] = span;
+    if (call.program != nullptr) call.program->trim(block.q0, keys_begin, keys_end);
     const int64_t align = keys.alignment();
-    // Key blocks in order; with ALiBi from the last: its bias makes the keys nearest a row
-    // score highest, and a row whose maximum comes first is exponentiated once per block.
+    // Key blocks in order; with ALiBi (or a score_mod's program: a bias) from the last: its bias
+    // makes the keys nearest a row score highest, and a row whose maximum comes first is
+    // exponentiated once per block. A program's empty state blocks narrow the span.
     const int64_t keys_start = keys_begin / align * align;
     const int64_t key_steps =
         (std::max(keys_end, keys_start) - keys_start + kKeyBlock - 1) / kKeyBlock;
     for (int64_t step = 0; step < key_steps; ++step) {
-      const bool backwards = call.scores.slopes != nullptr;
+      const bool backwards = call.scores.slopes != nullptr ||
+                             (call.program != nullptr && call.program->score.present());
       const int64_t k0 = keys_start + (backwards ? key_steps - 1 - step : step) * kKeyBlock;
       const int64_t kn = std::min(kKeyBlock, keys_end - k0);
+      if (call.program != nullptr && call.program->skips(block.q0, k0, kn)) continue;
       const BlockOperands<T> operands = keys.block(block.head / g, k0, kn,
                                                    scratch.key_buffer.data(),
                                                    scratch.value_buffer.data());
@@ -190,7 +194,11 @@ struct ForwardPass {
     std::fill(p_row, p_row + first, P(0.f));
     std::fill(p_row + first + seen, p_row + width, P(0.f));
     float* s = scratch.scores.data() + r * kScoreStride + first;  // the keys it may see
-    if (call.scores.any()) modify_row(s, seen, call.row(block.head, block.q0 + r, k0 + first));
+    if (call.program != nullptr) {
+      call.program->apply(s, seen, block.head, block.q0 + r, k0 + first);
+    } else if (call.scores.any()) {
+      modify_row(s, seen, call.row(block.head, block.q0 + r, k0 + first));
+    }
     update_row(s, p_row + first, seen, scratch.m[r], scratch.l[r], scratch.acc.data() + r * Dv);
   }
 

@@ -15,7 +15,7 @@ import torch
 from qkv import logsumexp
 from qkv import mods as own
 from qkv.backends.base import Call, Rules
-from qkv.backends.flash import loop
+from qkv.backends.flash import loop, program_call
 from qkv.backends.flash.mods import TileMods
 
 
@@ -59,7 +59,11 @@ def _tile_mods(
 def _forward(
     call: Call, rules: Rules | None, captured: list[torch.Tensor], differentiable: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out (*B, Hq, Lq, Dv) in the compute dtype and lse (*B, Hq, Lq), without sinks."""
+    """out (*B, Hq, Lq, Dv) in the compute dtype and lse (*B, Hq, Lq), without sinks: on the
+    compiled kernel with the mods' program where it runs the call (``program_call``)."""
+    compiled = program_call.forward(call, rules or call.rules, captured, differentiable)
+    if compiled is not None:
+        return compiled
     return loop.forward(
         call.q,
         call.k,
