@@ -11,6 +11,7 @@ of interleaved repetitions, compilation done before timing.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections.abc import Callable
@@ -81,19 +82,14 @@ def versus_torch(shape: Shape, repeats: int) -> dict[str, Any]:
             for dtype in DTYPES:
                 q, k, v = (x.to(dtype) for x in base)
                 steps: dict[str, Callable[[], Any]] = {
-                    "qkv": lambda: qkv.flex_attention(q, k, v, score_mod, block_mask),
-                    "torch compiled": lambda: compiled(
-                        q, k, v, score_mod=score_mod, block_mask=block_mask
+                    "qkv": functools.partial(qkv.flex_attention, q, k, v, score_mod, block_mask),
+                    "torch compiled": functools.partial(
+                        compiled, q, k, v, score_mod=score_mod, block_mask=block_mask
                     ),
                 }
                 if own is not None:
-                    steps["qkv argument"] = lambda: qkv.attention(
-                        q,
-                        k,
-                        v,
-                        causal=True,
-                        backend="flash",
-                        **own,  # noqa: B023
+                    steps["qkv argument"] = functools.partial(
+                        qkv.attention, q, k, v, causal=True, backend="flash", **own
                     )
                 row = _timed(steps, repeats)
                 row.update(rule=name, length=length, dtype=str(dtype).removeprefix("torch."))
@@ -173,7 +169,8 @@ def format_versus_torch(record: dict[str, Any]) -> str:
     lines.append(
         f"  qkv / torch compiled: geometric mean {record['geomean_qkv_over_torch']:.2f}x, "
         f"lowest {record['min_qkv_over_torch']:.2f}x; mod / argument: geometric mean "
-        f"{record['geomean_mod_over_argument']:.2f}x, highest {record['max_mod_over_argument']:.2f}x"
+        f"{record['geomean_mod_over_argument']:.2f}x, "
+        f"highest {record['max_mod_over_argument']:.2f}x"
     )
     training = record["training"]
     lines.append(

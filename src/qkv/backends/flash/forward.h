@@ -124,12 +124,11 @@ struct ForwardPass {
     std::fill(scratch.acc.begin(), scratch.acc.end(), 0.f);
     std::fill(scratch.m.begin(), scratch.m.end(), kNegInf);
     std::fill(scratch.l.begin(), scratch.l.end(), 0.f);
-    auto [keys_begin, keys_end] = span;
-    if (call.program != nullptr) call.program->trim(block.q0, keys_begin, keys_end);
+    const auto [keys_begin, keys_end] = span;
     const int64_t align = keys.alignment();
     // Key blocks in order; with ALiBi (or a score_mod's program: a bias) from the last: its bias
     // makes the keys nearest a row score highest, and a row whose maximum comes first is
-    // exponentiated once per block. A program's empty state blocks narrow the span.
+    // exponentiated once per block.
     const int64_t keys_start = keys_begin / align * align;
     const int64_t key_steps =
         (std::max(keys_end, keys_start) - keys_start + kKeyBlock - 1) / kKeyBlock;
@@ -194,9 +193,16 @@ struct ForwardPass {
     std::fill(p_row, p_row + first, P(0.f));
     std::fill(p_row + first + seen, p_row + width, P(0.f));
     float* s = scratch.scores.data() + r * kScoreStride + first;  // the keys it may see
-    if (call.program != nullptr) {
+    if (call.program != nullptr) {  // its scores, and only their part not all −inf
       call.program->apply(s, seen, block.head, block.q0 + r, k0 + first);
-    } else if (call.scores.any()) {
+      const auto [a, b] = ModProgram::visible(s, seen);
+      std::fill(p_row + first, p_row + first + a, P(0.f));
+      std::fill(p_row + first + b, p_row + first + seen, P(0.f));
+      if (a < b) update_row(s + a, p_row + first + a, b - a, scratch.m[r], scratch.l[r],
+                            scratch.acc.data() + r * Dv);
+      return;
+    }
+    if (call.scores.any()) {
       modify_row(s, seen, call.row(block.head, block.q0 + r, k0 + first));
     }
     update_row(s, p_row + first, seen, scratch.m[r], scratch.l[r], scratch.acc.data() + r * Dv);
@@ -261,7 +267,15 @@ std::vector<at::Tensor> forward_impl(const at::Tensor& q, const at::Tensor& k, c
 
   // Key blocks outside a query block's span are skipped; keys read by at most kPackPerBlock query
   // blocks each, on average, are packed as they are read.
-  const BlockSpans spans = block_spans(call.keys, NG, Lq);
+  BlockSpans spans = block_spans(call.keys, NG, Lq);
+  if (call.program != nullptr) {  // narrowed to the mask_mod's non-empty state blocks
+    spans.reads = 0;
+    for (int64_t z = 0; z < static_cast<int64_t>(spans.of.size()); ++z) {
+      auto& [begin, end] = spans.of[z];
+      call.program->trim((z % query_blocks) * kQueryBlock, begin, end);
+      spans.reads += std::max<int64_t>(0, end - begin);
+    }
+  }
   const bool per_block = spans.reads <= kPackPerBlock * N * S;
   const Arranged<T> keys = arrange<T>(k, v, path == Products::kTiles, per_block);
   const ForwardPass<T> pass{q_even.const_data_ptr<T>(), Lq, D, De, Dv, NG / N, call,

@@ -22,9 +22,12 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -48,6 +51,9 @@ struct Code {
   int64_t result = -1;
   int64_t registers = kInputs;
   bool reads_keys = true;  // whether an instruction reads register 4, the key index
+  // Per instruction: whether it reads only b, h, j and constants, so that its result holds for
+  // every row of a block (run computes it once for consecutive rows of one head and keys).
+  std::vector<char> invariant;
 
   bool present() const { return result >= 0; }
 };
@@ -63,6 +69,7 @@ struct Registers {
   std::vector<float> rows;
   std::vector<float> value;
   std::vector<char> uniform;
+  int64_t program = -1, z = -1, j0 = -1, n = -1;  // what the invariant registers were run for
 
   void fit(int64_t count) {
     if (static_cast<int64_t>(uniform.size()) >= count) return;
@@ -73,9 +80,22 @@ struct Registers {
   void set(int64_t r, float x) { uniform[r] = 1, value[r] = x; }
 };
 
-inline Registers& thread_registers() {
-  thread_local Registers registers;
-  return registers;
+// A thread's registers for score programs (which = 0) and for mask programs (1).
+inline Registers& thread_registers(int which) {
+  thread_local Registers registers[2];
+  return registers[which];
+}
+
+// The registers an instruction reads (a, b, c as its op uses them), -1 for none.
+inline std::array<int64_t, 3> operands(const int64_t* in) {
+  switch (in[0]) {
+    case kConst: return {-1, -1, -1};
+    case kGather: return {in[2], -1, -1};
+    case kNot: case kNeg: case kAbs: case kExp: case kLog: case kTanh: case kSqrt: case kSigmoid:
+    case kFloor: case kTrunc: return {in[2], -1, -1};
+    case kWhere: return {in[2], in[3], in[4]};
+    default: return {in[2], in[3], -1};
+  }
 }
 
 inline float first_lane(const Vec& x) {
@@ -195,6 +215,7 @@ struct ModProgram {
   int64_t state_columns = 0;
   int64_t heads = 1;  // query heads per batch entry: head z is (b, h) = (z / heads, z % heads)
   float scale = 1.f;
+  int64_t id = 0;  // this program's own number (the registers' cache key)
 
   // Runs `code` for query i of head z over keys j0 … j0 + n − 1, scores s times s_scale (score
   // code only; nullptr for a mask), and returns the register holding the result.
@@ -202,6 +223,7 @@ struct ModProgram {
               int64_t i, int64_t j0) const {
     r.fit(code.registers);
     const int64_t width = (n + kLanes - 1) / kLanes * kLanes;
+    const bool cached = r.program == id && r.z == z && r.j0 == j0 && r.n == width;
     if (s != nullptr) {
       r.uniform[0] = 0;
       float* row = r.row(0);
@@ -210,26 +232,28 @@ struct ModProgram {
     r.set(1, static_cast<float>(z / heads));
     r.set(2, static_cast<float>(z % heads));
     r.set(3, static_cast<float>(i));
-    if (code.reads_keys) {
+    if (code.reads_keys && !cached) {
       r.uniform[4] = 0;
       Vec key = Vec(static_cast<float>(j0)) + Vec::arange(0.f, 1.f);
       for (int64_t j = 0; j < width; j += kLanes, key = key + Vec(static_cast<float>(kLanes)))
         key.store(r.row(4) + j);
     }
-    for (int64_t k = 0; k < code.count; ++k) step(r, code.ops + 5 * k, code.constants, tables, width);
+    for (int64_t k = 0; k < code.count; ++k)
+      if (!cached || !code.invariant[k]) step(r, code.ops + 5 * k, code.constants, tables, width);
+    r.program = id, r.z = z, r.j0 = j0, r.n = width;
     return code.result;
   }
 
   // Row i of head z, n scores q · k of keys j0 … in place: scaled, the score code, the mask.
   void apply(float* s, int64_t n, int64_t z, int64_t i, int64_t j0) const {
-    Registers& r = thread_registers();
+    Registers& r = thread_registers(0);
     if (score.present()) {
       write(r, run(score, r, s, scale, n, z, i, j0), s, n);
     } else {
       for (int64_t j = 0; j < n; ++j) s[j] *= scale;
     }
     if (states == nullptr) {
-      if (mask.present()) block(r, s, n, z, i, j0);
+      if (mask.present()) block(thread_registers(1), s, n, z, i, j0);
       return;
     }
     const int8_t* row_states = states + (i / kQueryBlock) * state_columns;
@@ -237,7 +261,8 @@ struct ModProgram {
       const int64_t column = (j0 + j) / kStateBlock;
       const int64_t end = std::min(n, (column + 1) * kStateBlock - j0);
       if (row_states[column] == kEmpty) std::fill(s + j, s + end, kNegInf);
-      if (row_states[column] == kPartial && mask.present()) block(r, s + j, end - j, z, i, j0 + j);
+      if (row_states[column] == kPartial && mask.present())
+        block(thread_registers(1), s + j, end - j, z, i, j0 + j);
       j = end;
     }
   }
@@ -274,6 +299,17 @@ struct ModProgram {
     for (int64_t j = 0; j < n; ++j) s[j] = keep[j] != 0.f ? s[j] : kNegInf;
   }
 
+  // The part [a, b) of n scores outside which every score is −inf, in whole vectors.
+  static std::pair<int64_t, int64_t> visible(const float* s, int64_t n) {
+    const Vec none(kNegInf);
+    int64_t a = 0, b = n;
+    while (a + kLanes <= b && (Vec::loadu(s + a) != none).zero_mask() == (1 << kLanes) - 1)
+      a += kLanes;
+    while (b - kLanes >= a && (Vec::loadu(s + b - kLanes) != none).zero_mask() == (1 << kLanes) - 1)
+      b -= kLanes;
+    return {a, b};
+  }
+
   static void write(Registers& r, int64_t result, float* s, int64_t n) {
     if (r.uniform[result]) return std::fill(s, s + n, r.value[result]);
     std::copy(r.row(result), r.row(result) + n, s);
@@ -288,16 +324,26 @@ inline Code code_of(const at::Tensor& ops, const at::Tensor& constants, int64_t 
               "mod program: contiguous float32 constants");
   const int64_t* in = ops.const_data_ptr<int64_t>();
   int64_t registers = std::max(kInputs, result + 1);
-  bool reads_keys = result == 4;
   for (int64_t k = 0; k < ops.size(0); ++k) {
-    const int64_t op = in[5 * k];
-    reads_keys = reads_keys || (op != kConst && (in[5 * k + 2] == 4 || in[5 * k + 4] == 4 ||
-                                                 (op != kGather && in[5 * k + 3] == 4)));
     TORCH_CHECK(in[5 * k] >= 0 && in[5 * k] < kOps && in[5 * k + 1] >= kInputs,
                 "mod program: bad instruction ", k);
     registers = std::max(registers, in[5 * k + 1] + 1);
   }
-  return {in, ops.size(0), constants.const_data_ptr<float>(), result, registers, reads_keys};
+  std::vector<char> fixed(registers, 0), invariant(ops.size(0), 0);
+  fixed[1] = fixed[2] = fixed[4] = 1;  // b, h, j: the same for every row of a block
+  bool reads_keys = result == 4;
+  for (int64_t k = 0; k < ops.size(0); ++k) {
+    bool all = true;
+    for (const int64_t a : operands(in + 5 * k)) {
+      if (a < 0) continue;
+      TORCH_CHECK(a < registers, "mod program: bad register in instruction ", k);
+      all = all && fixed[a];
+      reads_keys = reads_keys || a == 4;
+    }
+    fixed[in[5 * k + 1]] = invariant[k] = all;
+  }
+  return {in, ops.size(0), constants.const_data_ptr<float>(), result, registers, reads_keys,
+          std::move(invariant)};
 }
 
 // The program of program.py's arguments; the tensors must outlive it.
@@ -309,6 +355,8 @@ inline ModProgram mod_program(const at::Tensor& score_ops, const at::Tensor& sco
   ModProgram program{code_of(score_ops, score_constants, score_result),
                      code_of(mask_ops, mask_constants, mask_result), {}, nullptr, 0, heads,
                      static_cast<float>(scale)};
+  static std::atomic<int64_t> programs{1};
+  program.id = programs++;
   for (const at::Tensor& table : tables) {
     TORCH_CHECK(table.scalar_type() == at::kFloat && table.is_contiguous(),
                 "mod program: contiguous float32 tables");

@@ -123,10 +123,19 @@ def _mask_parts(
     if isinstance(mask_mod, BlockSparse):
         if mask_mod.q_block % QUERY_BLOCK or mask_mod.kv_block % STATE_BLOCK:
             return None
-        return mask_mod.mask_mod, lambda shape: mask_mod.qkv_occupancy(
-            shape, QUERY_BLOCK, STATE_BLOCK
-        )
+        return mask_mod.mask_mod, lambda shape: _block_mask_states(mask_mod, shape)
     return mask_mod, lambda shape: _states(mask_mod, shape)
+
+
+def _block_mask_states(mask: Any, shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """A BlockMask's states (``BlockSparse.states``, blocks multiples of 128) on the kernel's
+    128 × 128 blocks, over every batch entry and head: each block takes its BlockMask block's."""
+    states = mask.states.flatten(0, 1)  # (Bm·Hm, nQ, nKV)
+    some, every = (states != EMPTY).any(0), (states == FULL).all(0)
+    merged = torch.where(every, FULL, torch.where(some, PARTIAL, EMPTY)).to(torch.int8)
+    rows, columns = math.ceil(shape[2] / QUERY_BLOCK), math.ceil(shape[3] / STATE_BLOCK)
+    merged = merged.repeat_interleave(mask.q_block // QUERY_BLOCK, 0)[:rows]
+    return merged.repeat_interleave(mask.kv_block // STATE_BLOCK, 1)[:, :columns].contiguous()
 
 
 def _cached(cache: collections.OrderedDict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:

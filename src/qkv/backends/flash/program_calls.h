@@ -62,7 +62,8 @@ std::vector<at::Tensor> evaluate_program(
   at::Tensor modified = scores.contiguous().clone();
   at::Tensor keep = at::ones_like(modified);
   const int64_t Z = scores.size(0), R = scores.size(1), n = scores.size(2);
-  Registers& r = thread_registers();
+  Registers& r = thread_registers(0);
+  Registers& m = thread_registers(1);
   for (int64_t z = 0; z < Z; ++z)
     for (int64_t row = 0; row < R; ++row) {
       float* s = modified.data_ptr<float>() + (z * R + row) * n;
@@ -70,7 +71,7 @@ std::vector<at::Tensor> evaluate_program(
       if (program.score.present())
         ModProgram::write(r, program.run(program.score, r, s, 1.f, n, z, q0 + row, k0), s, n);
       if (program.mask.present())
-        ModProgram::write(r, program.run(program.mask, r, nullptr, 1.f, n, z, q0 + row, k0),
+        ModProgram::write(m, program.run(program.mask, m, nullptr, 1.f, n, z, q0 + row, k0),
                           keep.data_ptr<float>() + (z * R + row) * n, n);
     }
   return {modified, keep};
