@@ -61,7 +61,7 @@ def _forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out (*B, Hq, Lq, Dv) in the compute dtype and lse (*B, Hq, Lq), without sinks: on the
     compiled kernel with the mods' program where it runs the call (``program_call``)."""
-    compiled = program_call.forward(call, rules or call.rules, captured, differentiable)
+    compiled = program_call.forward(call, rules or call.rules, differentiable)
     if compiled is not None:
         return compiled
     return loop.forward(

@@ -3,10 +3,11 @@ programs (``program.py``, ``program.h``): no Python per tile.
 
 ``forward`` takes a call where the kernel takes its tensors (CPU; float32, bfloat16 or
 float16; at least ``kernel.DECODE_QUERIES`` queries), it has no float mask, no soft-cap and no
-ALiBi slopes beside the mods (their order with the score_mod is the loop's to define), and both
-mods have programs; else it returns None and the call takes the exact path (the loop with
-``TileMods``). A ``BlockMask``'s states are used as they are where its blocks are multiples of
-the kernel's 128 × 128 state blocks (otherwise the exact path); a plain mask_mod's states are
+ALiBi slopes beside the mods (their order with the score_mod is the loop's to define), both
+mods have programs, and no backward pass follows (training runs forward and backward on the
+exact path, which keeps what its backward pass needs); else it returns None and the call takes
+the exact path (the loop with ``TileMods``). A ``BlockMask``'s states are used as they are
+where its blocks are multiples of the kernel's 128 × 128 state blocks (otherwise the exact path); a plain mask_mod's states are
 found by evaluating it block by block, once per mask_mod, shape and version of the tensors it
 reads (a small cache). The program is proven equal to the eager mods on the first tile of the
 first call that runs it (``prove``) and the verdict cached per mod and version of the tensors
@@ -31,7 +32,6 @@ from qkv.backends.base import Call, Rules
 from qkv.backends.flash import kernel
 from qkv.backends.flash import mods as flash_mods
 from qkv.backends.flash.loop import flat_heads
-from qkv.backends.flash.passes import _kernel_rules
 from qkv.backends.flash.program import (
     KEY_BLOCK,
     NO_CODE,
@@ -41,6 +41,7 @@ from qkv.backends.flash.program import (
     Unsupported,
     lower,
 )
+from qkv.backends.flash.rules import kernel_ranges
 
 ENABLED = os.environ.get("QKV_FLEX_PROGRAM", "1") != "0"
 _CACHE_SIZE = 16
@@ -50,30 +51,27 @@ EMPTY, PARTIAL, FULL = flash_mods.EMPTY, flash_mods.PARTIAL, flash_mods.FULL
 
 
 def forward(
-    call: Call, rules: Rules, captured: list[torch.Tensor], differentiable: bool
+    call: Call, rules: Rules, differentiable: bool
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(out (*B, Hq, Lq, Dv) float32, lse (*B, Hq, Lq)) without sinks, on the kernel with the
-    mods' program, or None where it does not run this call (see the module doc)."""
+    mods' program, or None where it does not run this call (see the module doc; a pass that a
+    backward pass follows, ``differentiable``, stays on the exact path with it)."""
     q, k, v = call.q, call.k, call.v
-    if not _takes(call, rules):
-        return None
-    kernel_rules = _kernel_rules(q, k, v, rules)
-    parts = _mask_parts(call.rules.mask_mod)
-    if kernel_rules is None or parts is None:
-        return None
-    mask_fn, block_states = parts
-    program = _program(call, call.rules.score_mod, mask_fn, captured, differentiable)
-    if program is None:
+    if differentiable or not _takes(call, rules):
         return None
     *batch, hq, lq, lk = call.scores_shape
-    shape = (math.prod(batch), hq, lq, lk)
+    ranges = kernel_ranges(rules.segments, tuple(batch), hq, lq)
+    parts = _mask_parts(call.rules.mask_mod)
+    if ranges is None or parts is None:
+        return None
+    mask_fn, block_states = parts
+    program = _program(call, call.rules.score_mod, mask_fn)
+    if program is None:
+        return None
     states = torch.empty(0, 0, dtype=torch.int8)
-    if block_states is not None and flash_mods._SETTINGS["skip"]:
-        states = block_states(shape)
-    window, ranges, _, _ = kernel_rules
-    causal, offset, windowed, window_at, bounds, per_range, _, _ = kernel._rule_arguments(
-        call.causal_offset, window, ranges, None, None
-    )
+    if block_states is not None and flash_mods.skipping():
+        states = block_states((math.prod(batch), hq, lq, lk))
+    offset, window = call.causal_offset, rules.window_offset
     low = q.dtype == torch.bfloat16 and kernel.bfloat16_products()
     q_flat, k_flat, v_flat, batch_shape = flat_heads(
         q, k, v, torch.bfloat16 if low else torch.float32
@@ -85,13 +83,12 @@ def forward(
         k_flat.contiguous(),
         v_flat.contiguous(),
         call.scale,
-        causal,
-        offset,
-        windowed,
-        window_at,
+        offset is not None,
+        offset or 0,
+        window is not None,
+        window or 0,
         kernel.PRODUCTS.index(kernel.cached_products()),
-        bounds,
-        per_range,
+        *ranges,
         *program.arguments(),
         states,
         hq,
@@ -116,11 +113,9 @@ def _mask_parts(
 ) -> tuple[Callable[..., Any] | None, Callable[[Any], torch.Tensor] | None] | None:
     """The mask_mod to compile (None: none) and the function giving its block states (None:
     no mask); None where a BlockMask's blocks do not fall on the kernel's state blocks."""
-    from qkv.flex import BlockSparse
-
     if mask_mod is None:
         return None, None
-    if isinstance(mask_mod, BlockSparse):
+    if getattr(mask_mod, "qkv_occupancy", None) is not None:  # qkv.flex.BlockSparse: a BlockMask
         if mask_mod.q_block % QUERY_BLOCK or mask_mod.kv_block % STATE_BLOCK:
             return None
         return mask_mod.mask_mod, lambda shape: _block_mask_states(mask_mod, shape)
@@ -151,23 +146,19 @@ def _cached(cache: collections.OrderedDict[Any, Any], key: Any, make: Callable[[
     return cache[key]
 
 
-def _program(
-    call: Call,
-    score_mod: Any,
-    mask_fn: Any,
-    captured: list[torch.Tensor],
-    differentiable: bool,
-) -> Program | None:
+def _program(call: Call, score_mod: Any, mask_fn: Any) -> Program | None:
     """The mods' program, proven on this call's first tile the first time (cached)."""
-    key = tuple((m, flash_mods._versions(m)) for m in (score_mod, mask_fn) if m is not None)
-    return _cached(  # type: ignore[no-any-return]
-        _PROGRAMS, key, lambda: _proven(call, score_mod, mask_fn, captured, differentiable)
-    )
+    key = tuple((m, _versions(m)) for m in (score_mod, mask_fn) if m is not None)
+    return _cached(_PROGRAMS, key, lambda: _proven(call, score_mod, mask_fn))  # type: ignore[no-any-return]
 
 
-def _proven(
-    call: Call, score_mod: Any, mask_fn: Any, captured: list[torch.Tensor], differentiable: bool
-) -> Program | None:
+def _versions(mod: Any) -> tuple[tuple[int, int, int], ...]:
+    """Every tensor the mod reads, as (id, data pointer, version): a tensor changed in place, or
+    another one in its place, makes a new cache key."""
+    return tuple((id(t), t.data_ptr(), t._version) for t in own.captured_tensors(mod, every=True))
+
+
+def _proven(call: Call, score_mod: Any, mask_fn: Any) -> Program | None:
     tables: list[torch.Tensor] = []
     try:
         score = NO_CODE if score_mod is None else lower(score_mod, True, tables)
@@ -175,7 +166,7 @@ def _proven(
     except Unsupported:
         return None
     program = Program(score, mask, tables)
-    reason = prove(program, call, score_mod, mask_fn, captured, differentiable)
+    reason = prove(program, call, score_mod, mask_fn)
     if reason is None:
         return program
     warnings.warn(
@@ -186,14 +177,7 @@ def _proven(
     return None
 
 
-def prove(
-    program: Program,
-    call: Call,
-    score_mod: Any,
-    mask_fn: Any,
-    captured: list[torch.Tensor] | None = None,
-    differentiable: bool = False,
-) -> str | None:
+def prove(program: Program, call: Call, score_mod: Any, mask_fn: Any) -> str | None:
     """None where ``program`` gives what the eager mods give on the call's first tile (queries
     0…127, keys 0…511, every batch entry and head, the call's own scores), else what differs.
     A mod whose result has the wrong dtype or shape raises as on the exact path."""
@@ -208,12 +192,9 @@ def prove(
     shape = (b, hq, rows, n)
     index = own.indices(b, hq, 0, rows, 0, n, call.q.device)
     if score_mod is not None:
-        with torch.enable_grad():
-            expected = score_mod(scores.view(shape) * call.scale, *index)
+        expected = score_mod(scores.view(shape) * call.scale, *index)
         own.checked("score_mod", expected, shape, torch.float32)
-        if differentiable:
-            flash_mods._check_captured(expected, captured or [])
-        if not own.same(got.view(shape), expected.detach().expand(shape)):
+        if not own.same(got.view(shape), expected.expand(shape)):
             return "score_mod"
     if mask_fn is not None:
         allowed = own.checked("mask_mod", mask_fn(*index), shape, torch.bool)
@@ -223,7 +204,7 @@ def prove(
 
 
 def _states(mask_mod: Callable[..., Any], shape: tuple[int, int, int, int]) -> torch.Tensor:
-    key = (mask_mod, shape, flash_mods._versions(mask_mod))
+    key = (mask_mod, shape, _versions(mask_mod))
     return _cached(_STATES, key, lambda: evaluate_states(mask_mod, shape))  # type: ignore[no-any-return]
 
 
