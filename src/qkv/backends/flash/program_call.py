@@ -6,12 +6,12 @@ float16; at least ``kernel.DECODE_QUERIES`` queries), it has no float mask, no s
 ALiBi slopes beside the mods (their order with the score_mod is the loop's to define), both
 mods have programs, and no backward pass follows (training runs forward and backward on the
 exact path, which keeps what its backward pass needs); else it returns None and the call takes
-the exact path (the loop with ``TileMods``). A ``BlockMask``'s states are used as they are
-where its blocks are multiples of the kernel's 128 × 128 state blocks (otherwise the exact path); a plain mask_mod's states are
-found by evaluating it block by block, once per mask_mod, shape and version of the tensors it
-reads (a small cache). The program is proven equal to the eager mods on the first tile of the
-first call that runs it (``prove``) and the verdict cached per mod and version of the tensors
-they read: a program that differs warns once and those mods keep the exact path.
+the exact path (the loop with ``TileMods``). A ``BlockMask``'s states are used as they are where its
+blocks are multiples of the kernel's 128 × 128 state blocks (otherwise the exact path); a plain
+mask_mod's states are found by evaluating it block by block, once per mask_mod, shape and version of
+the tensors it reads (a small cache). The program is proven equal to the eager mods on the first
+tile of the first call that runs it (``prove``) and the verdict cached per mod and version of the
+tensors they read: a program that differs warns once and those mods keep the exact path.
 
 ``ENABLED = False`` (env ``QKV_FLEX_PROGRAM=0``) sends every call to the exact path.
 """
