@@ -70,7 +70,7 @@ def versus_torch(shape: Shape, repeats: int) -> dict[str, Any]:
     for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit"):
         if hasattr(torch._dynamo.config, name):  # one compiled kernel per rule, length, dtype
             setattr(torch._dynamo.config, name, 512)
-    compiled = torch.compile(flex_attention)
+    compiled = torch.compile(flex_attention, dynamic=False)  # (one kernel per length)
     rows = []
     for length in LENGTHS:
         gen = torch.Generator().manual_seed(0)
@@ -83,25 +83,33 @@ def versus_torch(shape: Shape, repeats: int) -> dict[str, Any]:
                 q, k, v = (x.to(dtype) for x in base)
                 steps: dict[str, Callable[[], Any]] = {
                     "qkv": functools.partial(qkv.flex_attention, q, k, v, score_mod, block_mask),
-                    "torch compiled": functools.partial(
-                        compiled, q, k, v, score_mod=score_mod, block_mask=block_mask
-                    ),
                 }
+                theirs = functools.partial(
+                    compiled, q, k, v, score_mod=score_mod, block_mask=block_mask
+                )
+                failed = _fails(theirs)
+                if failed is None:
+                    steps["torch compiled"] = theirs
                 if own is not None:
                     steps["qkv argument"] = functools.partial(
                         qkv.attention, q, k, v, causal=True, backend="flash", **own
                     )
                 row = _timed(steps, repeats)
                 row.update(rule=name, length=length, dtype=str(dtype).removeprefix("torch."))
-                row["qkv_over_torch"] = row["ms"]["torch compiled"] / row["ms"]["qkv"]
+                if failed is None:
+                    row["qkv_over_torch"] = row["ms"]["torch compiled"] / row["ms"]["qkv"]
+                else:
+                    row["torch_compiled_error"] = failed
                 if own is not None:
                     row["mod_over_argument"] = row["ms"]["qkv"] / row["ms"]["qkv argument"]
                 progress(_line(row))
                 rows.append(row)
+    compared = [r["qkv_over_torch"] for r in rows if "qkv_over_torch" in r]
     return {
         "rows": rows,
-        "geomean_qkv_over_torch": _geomean([r["qkv_over_torch"] for r in rows]),
-        "min_qkv_over_torch": min(r["qkv_over_torch"] for r in rows),
+        "geomean_qkv_over_torch": _geomean(compared),
+        "min_qkv_over_torch": min(compared),
+        "torch_compiled_failed": sum("torch_compiled_error" in r for r in rows),
         "geomean_mod_over_argument": _geomean(
             [r["mod_over_argument"] for r in rows if "mod_over_argument" in r]
         ),
@@ -138,6 +146,16 @@ def _training(shape: Shape, repeats: int) -> dict[str, Any]:
     return row
 
 
+def _fails(step: Callable[[], Any]) -> str | None:
+    """None where ``step`` runs (compiling it), else its error in one line (inductor's C++
+    template fails to compile some mods at some lengths)."""
+    try:
+        step()
+    except Exception as error:
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+    return None
+
+
 def _timed(steps: dict[str, Callable[[], Any]], repeats: int) -> dict[str, Any]:
     for step in steps.values():
         step(), seconds(step)  # warm up (inductor compiles on the first call)
@@ -151,10 +169,11 @@ def _geomean(values: list[float]) -> float:
 
 def _line(row: dict[str, Any]) -> str:
     ms = row["ms"]
-    text = (
-        f"{row['rule']:<14} T={row['length']:<5} {row['dtype']:<8} qkv {ms['qkv']:8.1f} ms, "
-        f"torch compiled {ms['torch compiled']:8.1f} ms: {row['qkv_over_torch']:.2f}x"
-    )
+    text = f"{row['rule']:<14} T={row['length']:<5} {row['dtype']:<8} qkv {ms['qkv']:8.1f} ms, "
+    if "qkv_over_torch" in row:
+        text += f"torch compiled {ms['torch compiled']:8.1f} ms: {row['qkv_over_torch']:.2f}x"
+    else:
+        text += f"torch compiled failed ({row['torch_compiled_error'][:60]})"
     if "mod_over_argument" in row:
         text += (
             f"; argument {ms['qkv argument']:7.1f} ms, mod/argument {row['mod_over_argument']:.2f}x"
@@ -170,7 +189,8 @@ def format_versus_torch(record: dict[str, Any]) -> str:
         f"  qkv / torch compiled: geometric mean {record['geomean_qkv_over_torch']:.2f}x, "
         f"lowest {record['min_qkv_over_torch']:.2f}x; mod / argument: geometric mean "
         f"{record['geomean_mod_over_argument']:.2f}x, "
-        f"highest {record['max_mod_over_argument']:.2f}x"
+        f"highest {record['max_mod_over_argument']:.2f}x; torch compiled failed in "
+        f"{record['torch_compiled_failed']} cases"
     )
     training = record["training"]
     lines.append(
