@@ -2,8 +2,9 @@
 backward pass follows on the compiled kernel with the mods' programs where it takes the call
 (``program_call.py``), else the loop with a ``TileMods`` (``mods.py``), inside an autograd
 function whose inputs include the tensors the score_mod captures
-(``qkv.mods.captured_tensors``), so that their gradients come back. Sinks join each row after the function (``qkv.logsumexp.shares``, which
-autograd differentiates); ALiBi slopes as in ``flash``. Legend: B batch, Hq query heads.
+(``qkv.mods.captured_tensors``), so that their gradients come back. Sinks join each row after
+the function (``qkv.logsumexp.shares``, which autograd differentiates); ALiBi slopes as in
+``flash``. Legend: B batch, Hq query heads.
 """
 
 from __future__ import annotations
