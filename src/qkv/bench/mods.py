@@ -1,14 +1,17 @@
 """``qkv bench --mods``: your own rule (score_mod / mask_mod) on flash, measured.
 
-Four measurements, each against its baseline in the same run (medians of interleaved
+Five measurements, each against its baseline in the same run (medians of interleaved
 repetitions), (B, H, T, D) float32 on flash:
 
 - block skipping: a forward pass under a document ``mask_mod`` (16 documents at T), against the
-  same call with block skipping switched off (every tile evaluated and masked);
-- the compiled tile step: a forward pass with a T5-bucket ``score_mod`` (causal), the step
-  ``torch.compile``d against the plain loop (compilation done before timing);
+  same call with block skipping switched off (every block's mask evaluated);
+- the compiled tile step of the exact path (the loop, ``program_call.ENABLED`` off): a forward
+  pass with a T5-bucket ``score_mod`` (causal), the step ``torch.compile``d against the plain
+  loop (compilation done before timing);
 - the gap: a mod that equals one of qkv's own arguments (softcap, ALiBi, a window, documents)
   against the argument (which flash runs on its compiled kernel);
+- against torch (``flex_speed.py``): six rules as mods against ``torch.compile(flex_attention)``
+  and against qkv's own arguments, T = 2048 and 4096, float32 and bfloat16;
 - memory: a causal training step (forward+backward) at T = 16,384 with a learned relative-bias
   ``score_mod``, peak resident memory of the whole process, in a fresh process.
 """
@@ -29,6 +32,8 @@ import torch
 
 import qkv
 from qkv.backends.flash import mods as flash_mods
+from qkv.backends.flash import program_call
+from qkv.bench import flex_speed
 from qkv.bench.cases import Shape
 from qkv.bench.timing import interleaved, progress, seconds
 
@@ -90,6 +95,7 @@ def mods_benchmark(length: int, shape: Shape, repeats: int) -> dict[str, Any]:
         "compiled_tile_step": compiled,
         "compiled_tile_step_alone": step,
         "gap_to_arguments": _gaps(q, k, v, ids, repeats),
+        "versus_torch": flex_speed.versus_torch(shape, repeats),
     }
 
 
@@ -101,7 +107,9 @@ def _tile_step(score_mod: Callable[..., Any], shape: Shape) -> dict[str, Any]:
     index = own.indices(shape.batch, shape.heads, 0, 256, 512, 1024, tile.device)
     plain = flash_mods.base2_step(score_mod)
     compiled = flash_mods.compiled_step(score_mod, plain)
-    assert compiled is not None
+    if compiled is None:  # compiling it failed (a warning said so): nothing to time
+        nan = float("nan")
+        return {"ms": {"compiled": nan, "plain": nan}, "speedup": nan, "failed": True}
     with torch.no_grad():
         return _ratio(
             {
@@ -113,9 +121,14 @@ def _tile_step(score_mod: Callable[..., Any], shape: Shape) -> dict[str, Any]:
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> None:
-    skip, compile_ = kwargs.pop("skip", True), kwargs.pop("compile", "auto")
-    with torch.no_grad(), flash_mods.settings(skip=skip, compile=compile_):
-        qkv.attention(q, k, v, backend="flash", **kwargs)
+    skip, compile_ = kwargs.pop("skip", True), kwargs.pop("compile", None)
+    saved = program_call.ENABLED
+    program_call.ENABLED = compile_ is None  # the compiled tile step: on the loop
+    try:
+        with torch.no_grad(), flash_mods.settings(skip=skip, compile=compile_ or "auto"):
+            qkv.attention(q, k, v, backend="flash", **kwargs)
+    finally:
+        program_call.ENABLED = saved
 
 
 def _ratio(steps: dict[str, Callable[[], Any]], repeats: int) -> dict[str, Any]:
@@ -236,6 +249,8 @@ def format_mods(record: dict[str, Any]) -> str:
             f"    {name:<16} {gap['ms']['mod']:>9.1f} / {gap['ms']['argument']:>8.1f} ms = "
             f"{gap['mod_over_argument']:.1f}x"
         )
+    if "versus_torch" in record:
+        lines.append(flex_speed.format_versus_torch(record["versus_torch"]))
     memory = record.get("memory")
     if memory is not None:
         lines.append(

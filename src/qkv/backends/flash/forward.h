@@ -126,15 +126,18 @@ struct ForwardPass {
     std::fill(scratch.l.begin(), scratch.l.end(), 0.f);
     const auto [keys_begin, keys_end] = span;
     const int64_t align = keys.alignment();
-    // Key blocks in order; with ALiBi from the last: its bias makes the keys nearest a row
-    // score highest, and a row whose maximum comes first is exponentiated once per block.
+    // Key blocks in order; with ALiBi (or a score_mod's program: a bias) from the last: its bias
+    // makes the keys nearest a row score highest, and a row whose maximum comes first is
+    // exponentiated once per block.
     const int64_t keys_start = keys_begin / align * align;
     const int64_t key_steps =
         (std::max(keys_end, keys_start) - keys_start + kKeyBlock - 1) / kKeyBlock;
     for (int64_t step = 0; step < key_steps; ++step) {
-      const bool backwards = call.scores.slopes != nullptr;
+      const bool backwards = call.scores.slopes != nullptr ||
+                             (call.program != nullptr && call.program->score.present());
       const int64_t k0 = keys_start + (backwards ? key_steps - 1 - step : step) * kKeyBlock;
       const int64_t kn = std::min(kKeyBlock, keys_end - k0);
+      if (call.program != nullptr && call.program->skips(block.q0, k0, kn)) continue;
       const BlockOperands<T> operands = keys.block(block.head / g, k0, kn,
                                                    scratch.key_buffer.data(),
                                                    scratch.value_buffer.data());
@@ -190,7 +193,18 @@ struct ForwardPass {
     std::fill(p_row, p_row + first, P(0.f));
     std::fill(p_row + first + seen, p_row + width, P(0.f));
     float* s = scratch.scores.data() + r * kScoreStride + first;  // the keys it may see
-    if (call.scores.any()) modify_row(s, seen, call.row(block.head, block.q0 + r, k0 + first));
+    if (call.program != nullptr) {  // its scores, and only their part not all −inf
+      call.program->apply(s, seen, block.head, block.q0 + r, k0 + first);
+      const auto [a, b] = ModProgram::visible(s, seen);
+      std::fill(p_row + first, p_row + first + a, P(0.f));
+      std::fill(p_row + first + b, p_row + first + seen, P(0.f));
+      if (a < b) update_row(s + a, p_row + first + a, b - a, scratch.m[r], scratch.l[r],
+                            scratch.acc.data() + r * Dv);
+      return;
+    }
+    if (call.scores.any()) {
+      modify_row(s, seen, call.row(block.head, block.q0 + r, k0 + first));
+    }
     update_row(s, p_row + first, seen, scratch.m[r], scratch.l[r], scratch.acc.data() + r * Dv);
   }
 
@@ -253,7 +267,15 @@ std::vector<at::Tensor> forward_impl(const at::Tensor& q, const at::Tensor& k, c
 
   // Key blocks outside a query block's span are skipped; keys read by at most kPackPerBlock query
   // blocks each, on average, are packed as they are read.
-  const BlockSpans spans = block_spans(call.keys, NG, Lq);
+  BlockSpans spans = block_spans(call.keys, NG, Lq);
+  if (call.program != nullptr) {  // narrowed to the mask_mod's non-empty state blocks
+    spans.reads = 0;
+    for (int64_t z = 0; z < static_cast<int64_t>(spans.of.size()); ++z) {
+      auto& [begin, end] = spans.of[z];
+      call.program->trim((z % query_blocks) * kQueryBlock, begin, end);
+      spans.reads += std::max<int64_t>(0, end - begin);
+    }
+  }
   const bool per_block = spans.reads <= kPackPerBlock * N * S;
   const Arranged<T> keys = arrange<T>(k, v, path == Products::kTiles, per_block);
   const ForwardPass<T> pass{q_even.const_data_ptr<T>(), Lq, D, De, Dv, NG / N, call,

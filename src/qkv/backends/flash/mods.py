@@ -66,6 +66,11 @@ def settings(*, skip: bool | None = None, compile: str | None = None) -> Iterato
         _SETTINGS.update(saved)
 
 
+def skipping() -> bool:
+    """Whether empty blocks are skipped (``settings(skip=...)``)."""
+    return bool(_SETTINGS["skip"])
+
+
 class TileMods:
     """A call's score_mod and mask_mod for the loop's tiles. ``batch`` B and ``heads`` Hq give
     the (B, Hq, rows, keys) view of a tile's (N, R, kt) scores; ``grad``: for a backward pass."""

@@ -1,8 +1,10 @@
-"""flash's entry point for calls with a ``score_mod`` or ``mask_mod``: the loop with a
-``TileMods`` (``mods.py``), never the compiled kernel, inside an autograd function whose inputs
-include the tensors the score_mod captures (``qkv.mods.captured_tensors``), so that their
-gradients come back. Sinks join each row after the function (``qkv.logsumexp.shares``, which
-autograd differentiates); ALiBi slopes as in ``flash``. Legend: B batch, Hq query heads.
+"""flash's entry point for calls with a ``score_mod`` or ``mask_mod``: a forward pass that no
+backward pass follows on the compiled kernel with the mods' programs where it takes the call
+(``program_call.py``), else the loop with a ``TileMods`` (``mods.py``), inside an autograd
+function whose inputs include the tensors the score_mod captures
+(``qkv.mods.captured_tensors``), so that their gradients come back. Sinks join each row after
+the function (``qkv.logsumexp.shares``, which autograd differentiates); ALiBi slopes as in
+``flash``. Legend: B batch, Hq query heads.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from qkv import _tracing, logsumexp
 from qkv import mods as own
 from qkv.backends import reference
 from qkv.backends.base import Call, Rules
-from qkv.backends.flash import loop
+from qkv.backends.flash import loop, program_call
 from qkv.backends.flash.mods import TileMods
 
 
@@ -63,7 +65,11 @@ def _tile_mods(
 def _forward(
     call: Call, rules: Rules | None, captured: list[torch.Tensor], differentiable: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out (*B, Hq, Lq, Dv) in the compute dtype and lse (*B, Hq, Lq), without sinks."""
+    """out (*B, Hq, Lq, Dv) in the compute dtype and lse (*B, Hq, Lq), without sinks: on the
+    compiled kernel with the mods' program where it runs the call (``program_call``)."""
+    compiled = program_call.forward(call, rules or call.rules, differentiable)
+    if compiled is not None:
+        return compiled
     return loop.forward(
         call.q,
         call.k,

@@ -5,6 +5,7 @@
 
 #pragma once
 
+#include "program.h"
 #include "row_math.h"
 
 #include <ATen/ATen.h>
@@ -104,16 +105,18 @@ struct RowRules {
   int64_t d0;
 };
 
-// Everything a call asks besides its tensors: the scale of q · kᵀ, the keys each row may see and
-// the score rules.
+// Everything a call asks besides its tensors: the scale of q · kᵀ, the keys each row may see,
+// the score rules, and a score_mod / mask_mod program (program.h; nullptr: none).
 struct CallRules {
   float scale;
   KeyBounds keys;
   ScoreRules scores;
+  const ModProgram* program = nullptr;
 
   // What a score is multiplied by before 2^x: log2 e times the scale, or log2 e alone where
-  // the score rules have scaled it already (modify_row).
-  float exponent_scale() const { return scores.any() ? kLog2E : scale * kLog2E; }
+  // the score rules or the program have scaled it already (modify_row, ModProgram::apply).
+  bool scales() const { return scores.any() || program != nullptr; }
+  float exponent_scale() const { return scales() ? kLog2E : scale * kLog2E; }
 
   // The rules of query i of head `head` over keys j0, j0 + 1, …
   RowRules row(int64_t head, int64_t i, int64_t j0) const {

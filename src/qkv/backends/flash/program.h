@@ -1,0 +1,380 @@
+// A score_mod and a mask_mod as programs the forward pass runs on each row of a score block
+// (program.py writes them from the mods' torch.fx graphs), so that no Python runs per tile.
+//
+// A program is a list of instructions (op, dst, a, b, c) over registers, each one row of up to
+// kKeyBlock values or one value for the whole row ("uniform"). Registers 0 … 4 hold the row's
+// inputs: the scaled score (a row), the batch entry b, the query head h and the query index i
+// (uniform), and the key index j (a row). Every value is a float32: integers are exact below
+// 2^24 (program.py refuses tables beyond that), booleans are 1 and 0. Gathers read a table (a
+// captured tensor, flattened) at an index already wrapped and flattened by kWrap and arithmetic;
+// an index outside the table gives NaN. A mask program's result is 1 where a pair may attend.
+//
+// The mask_mod's block states (program.py: EMPTY, PARTIAL, FULL per kQueryBlock × kStateBlock
+// block over every batch entry and head) say where it is run: only in partial blocks; empty
+// blocks are −inf without running it, full ones are left alone, and key blocks of the forward
+// pass that are empty for a whole query block are skipped (ModProgram::skips).
+
+#pragma once
+
+#include "layout.h"
+#include "row_math.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kStateBlock = 128;  // keys per block state (program.py's STATE_BLOCK)
+constexpr int64_t kInputs = 5;        // score, b, h, i, j
+constexpr int8_t kEmpty = 0, kPartial = 1, kFull = 2;
+
+enum Op : int64_t {
+  kConst, kAdd, kSub, kMul, kDiv, kMax, kMin, kLt, kLe, kGt, kGe, kEq, kNe, kAnd, kOr, kNot,
+  kWhere, kNeg, kAbs, kExp, kLog, kTanh, kSqrt, kSigmoid, kFloor, kTrunc, kFloorDiv, kMod,
+  kWrap, kGather, kOps
+};
+
+// One mod's instructions (count rows of 5 int64), its constants, and the register it leaves
+// its result in (result < 0: no such mod).
+struct Code {
+  const int64_t* ops = nullptr;
+  int64_t count = 0;
+  const float* constants = nullptr;
+  int64_t result = -1;
+  int64_t registers = kInputs;
+  bool reads_keys = true;  // whether an instruction reads register 4, the key index
+  // Per instruction: whether it reads only b, h, j and constants, so that its result holds for
+  // every row of a block (run computes it once for consecutive rows of one head and keys).
+  std::vector<char> invariant;
+
+  bool present() const { return result >= 0; }
+};
+
+struct Table {
+  const float* data;
+  int64_t size;
+};
+
+// A thread's registers: rows of kRowStride floats, and which of them hold one value.
+struct Registers {
+  static constexpr int64_t kRowStride = kKeyBlock + 64;
+  std::vector<float> rows;
+  std::vector<float> value;
+  std::vector<char> uniform;
+  int64_t program = -1, z = -1, j0 = -1, n = -1;  // what the invariant registers were run for
+
+  void fit(int64_t count) {
+    if (static_cast<int64_t>(uniform.size()) >= count) return;
+    rows.resize(count * kRowStride), value.resize(count), uniform.resize(count);
+  }
+  float* row(int64_t r) { return rows.data() + r * kRowStride; }
+  Vec load(int64_t r, int64_t j) { return uniform[r] ? Vec(value[r]) : Vec::loadu(row(r) + j); }
+  void set(int64_t r, float x) { uniform[r] = 1, value[r] = x; }
+};
+
+// A thread's registers for score programs (which = 0) and for mask programs (1).
+inline Registers& thread_registers(int which) {
+  thread_local Registers registers[2];
+  return registers[which];
+}
+
+// The registers an instruction reads (a, b, c as its op uses them), -1 for none.
+inline std::array<int64_t, 3> operands(const int64_t* in) {
+  switch (in[0]) {
+    case kConst: return {-1, -1, -1};
+    case kGather: return {in[2], -1, -1};
+    case kNot: case kNeg: case kAbs: case kExp: case kLog: case kTanh: case kSqrt: case kSigmoid:
+    case kFloor: case kTrunc: return {in[2], -1, -1};
+    case kWhere: return {in[2], in[3], in[4]};
+    default: return {in[2], in[3], -1};
+  }
+}
+
+inline float first_lane(const Vec& x) {
+  float lanes[kLanes];
+  x.store(lanes);
+  return lanes[0];
+}
+
+// One operand of an instruction: its row, or its one value (uniform).
+struct Operand {
+  const float* row;
+  Vec value;
+  bool uniform;
+
+  Vec at(int64_t j) const { return uniform ? value : Vec::loadu(row + j); }
+};
+
+// d ← f(a, b, c) lane by lane (one value where a, b and c are uniform).
+template <typename F>
+inline void map3(Registers& r, int64_t d, int64_t a, int64_t b, int64_t c, int64_t n, F f) {
+  const Operand x{r.row(a), Vec(r.value[a]), r.uniform[a] != 0};
+  const Operand y{r.row(b), Vec(r.value[b]), r.uniform[b] != 0};
+  const Operand z{r.row(c), Vec(r.value[c]), r.uniform[c] != 0};
+  if (x.uniform && y.uniform && z.uniform) return r.set(d, first_lane(f(x.value, y.value, z.value)));
+  r.uniform[d] = 0;
+  float* __restrict__ out = r.row(d);
+  if (!x.uniform && !y.uniform && !z.uniform) {
+    for (int64_t j = 0; j < n; j += kLanes)
+      f(Vec::loadu(x.row + j), Vec::loadu(y.row + j), Vec::loadu(z.row + j)).store(out + j);
+  } else if (!x.uniform && y.uniform && z.uniform) {
+    for (int64_t j = 0; j < n; j += kLanes) f(Vec::loadu(x.row + j), y.value, z.value).store(out + j);
+  } else if (x.uniform && !y.uniform && y.row == z.row) {  // (map2 of a value and a row)
+    for (int64_t j = 0; j < n; j += kLanes) {
+      const Vec w = Vec::loadu(y.row + j);
+      f(x.value, w, w).store(out + j);
+    }
+  } else {
+    for (int64_t j = 0; j < n; j += kLanes) f(x.at(j), y.at(j), z.at(j)).store(out + j);
+  }
+}
+
+template <typename F>
+inline void map1(Registers& r, int64_t d, int64_t a, int64_t n, F f) {
+  map3(r, d, a, a, a, n, [&](Vec x, Vec, Vec) { return f(x); });
+}
+
+template <typename F>
+inline void map2(Registers& r, int64_t d, int64_t a, int64_t b, int64_t n, F f) {
+  map3(r, d, a, b, b, n, [&](Vec x, Vec y, Vec) { return f(x, y); });
+}
+
+inline Vec floor_divide(Vec x, Vec y) { return (x / y).floor(); }
+
+// d ← tables[t][a] (NaN outside the table).
+inline void gather(Registers& r, int64_t d, const Table& table, int64_t a, int64_t n) {
+  const auto at = [&](float index) {
+    const bool inside = index >= 0.f && index < static_cast<float>(table.size);
+    return inside ? table.data[static_cast<int64_t>(index)] : std::numeric_limits<float>::quiet_NaN();
+  };
+  if (r.uniform[a]) return r.set(d, at(r.value[a]));
+  r.uniform[d] = 0;
+  const float* index = r.row(a);
+  float* out = r.row(d);
+  for (int64_t j = 0; j < n; ++j) out[j] = at(index[j]);
+}
+
+// One instruction over n lanes (n rounded up to whole vectors: rows have room).
+inline void step(Registers& r, const int64_t* in, const float* constants,
+                 const std::vector<Table>& tables, int64_t n) {
+  const int64_t d = in[1], a = in[2], b = in[3], c = in[4];
+  const Vec zero(0.f), one(1.f);
+  switch (in[0]) {
+    case kConst: return r.set(d, constants[a]);
+    case kAdd: return map2(r, d, a, b, n, [](Vec x, Vec y) { return x + y; });
+    case kSub: return map2(r, d, a, b, n, [](Vec x, Vec y) { return x - y; });
+    case kMul: return map2(r, d, a, b, n, [](Vec x, Vec y) { return x * y; });
+    case kDiv: return map2(r, d, a, b, n, [](Vec x, Vec y) { return x / y; });
+    case kMax: return map2(r, d, a, b, n, [](Vec x, Vec y) { return at::vec::maximum(x, y); });
+    case kMin: return map2(r, d, a, b, n, [](Vec x, Vec y) { return at::vec::minimum(x, y); });
+    case kLt: return map2(r, d, a, b, n, [](Vec x, Vec y) { return x.lt(y); });
+    case kLe: return map2(r, d, a, b, n, [](Vec x, Vec y) { return x.le(y); });
+    case kGt: return map2(r, d, a, b, n, [](Vec x, Vec y) { return x.gt(y); });
+    case kGe: return map2(r, d, a, b, n, [](Vec x, Vec y) { return x.ge(y); });
+    case kEq: return map2(r, d, a, b, n, [](Vec x, Vec y) { return x.eq(y); });
+    case kNe: return map2(r, d, a, b, n, [](Vec x, Vec y) { return x.ne(y); });
+    case kAnd: return map2(r, d, a, b, n, [](Vec x, Vec y) { return x * y; });
+    case kOr: return map2(r, d, a, b, n, [](Vec x, Vec y) { return at::vec::maximum(x, y); });
+    case kNot: return map1(r, d, a, n, [&](Vec x) { return one - x; });
+    case kWhere:
+      return map3(r, d, a, b, c, n,
+                  [&](Vec x, Vec y, Vec z) { return Vec::blendv(z, y, x != zero); });
+    case kNeg: return map1(r, d, a, n, [](Vec x) { return x.neg(); });
+    case kAbs: return map1(r, d, a, n, [](Vec x) { return x.abs(); });
+    case kExp: return map1(r, d, a, n, [](Vec x) { return x.exp(); });
+    case kLog: return map1(r, d, a, n, [](Vec x) { return x.log(); });
+    case kTanh: return map1(r, d, a, n, [](Vec x) { return tanh_vec(x); });
+    case kSqrt: return map1(r, d, a, n, [](Vec x) { return x.sqrt(); });
+    case kSigmoid: return map1(r, d, a, n, [&](Vec x) { return one / (one + x.neg().exp()); });
+    case kFloor: return map1(r, d, a, n, [](Vec x) { return x.floor(); });
+    case kTrunc: return map1(r, d, a, n, [](Vec x) { return x.trunc(); });
+    case kFloorDiv: return map2(r, d, a, b, n, floor_divide);
+    case kMod: return map2(r, d, a, b, n, [](Vec x, Vec y) { return x - y * floor_divide(x, y); });
+    case kWrap:  // a negative index counts from the end (b: the size), as Python's
+      return map2(r, d, a, b, n, [&](Vec x, Vec size) {
+        return Vec::blendv(x, x + size, x < zero);
+      });
+    case kGather: return gather(r, d, tables[b], a, n);
+    default: TORCH_CHECK(false, "mod program: unknown instruction ", in[0]);
+  }
+}
+
+// A call's score_mod and mask_mod programs with their tables and block states.
+struct ModProgram {
+  Code score, mask;
+  std::vector<Table> tables;
+  const int8_t* states = nullptr;  // (query blocks, state_columns); nullptr: no states
+  int64_t state_columns = 0;
+  int64_t heads = 1;  // query heads per batch entry: head z is (b, h) = (z / heads, z % heads)
+  float scale = 1.f;
+  int64_t id = 0;  // this program's own number (the registers' cache key)
+
+  // Runs `code` for query i of head z over keys j0 … j0 + n − 1, scores s times s_scale (score
+  // code only; nullptr for a mask), and returns the register holding the result.
+  int64_t run(const Code& code, Registers& r, const float* s, float s_scale, int64_t n, int64_t z,
+              int64_t i, int64_t j0) const {
+    r.fit(code.registers);
+    const int64_t width = (n + kLanes - 1) / kLanes * kLanes;
+    const bool cached = r.program == id && r.z == z && r.j0 == j0 && r.n == width;
+    if (s != nullptr) {
+      r.uniform[0] = 0;
+      float* row = r.row(0);
+      for (int64_t j = 0; j < n; ++j) row[j] = s[j] * s_scale;
+    }
+    r.set(1, static_cast<float>(z / heads));
+    r.set(2, static_cast<float>(z % heads));
+    r.set(3, static_cast<float>(i));
+    if (code.reads_keys && !cached) {
+      r.uniform[4] = 0;
+      Vec key = Vec(static_cast<float>(j0)) + Vec::arange(0.f, 1.f);
+      for (int64_t j = 0; j < width; j += kLanes, key = key + Vec(static_cast<float>(kLanes)))
+        key.store(r.row(4) + j);
+    }
+    for (int64_t k = 0; k < code.count; ++k)
+      if (!cached || !code.invariant[k]) step(r, code.ops + 5 * k, code.constants, tables, width);
+    r.program = id, r.z = z, r.j0 = j0, r.n = width;
+    return code.result;
+  }
+
+  // Row i of head z, n scores q · k of keys j0 … in place: scaled, the score code, the mask.
+  void apply(float* s, int64_t n, int64_t z, int64_t i, int64_t j0) const {
+    Registers& r = thread_registers(0);
+    if (score.present()) {
+      write(r, run(score, r, s, scale, n, z, i, j0), s, n);
+    } else {
+      for (int64_t j = 0; j < n; ++j) s[j] *= scale;
+    }
+    if (states == nullptr) {
+      if (mask.present()) block(thread_registers(1), s, n, z, i, j0);
+      return;
+    }
+    const int8_t* row_states = states + (i / kQueryBlock) * state_columns;
+    for (int64_t j = 0; j < n;) {
+      const int64_t column = (j0 + j) / kStateBlock;
+      const int64_t end = std::min(n, (column + 1) * kStateBlock - j0);
+      if (row_states[column] == kEmpty) std::fill(s + j, s + end, kNegInf);
+      if (row_states[column] == kPartial && mask.present())
+        block(thread_registers(1), s + j, end - j, z, i, j0 + j);
+      j = end;
+    }
+  }
+
+  // [begin, end) narrowed to the non-empty state blocks of the query block starting at q0
+  // (begin ≥ end: none).
+  void trim(int64_t q0, int64_t& begin, int64_t& end) const {
+    if (states == nullptr) return;
+    const int8_t* row_states = states + (q0 / kQueryBlock) * state_columns;
+    int64_t first = state_columns, last = -1;
+    for (int64_t c = 0; c < state_columns; ++c)
+      if (row_states[c] != kEmpty) first = std::min(first, c), last = c;
+    begin = std::max(begin, first * kStateBlock);
+    end = std::min(end, (last + 1) * kStateBlock);
+  }
+
+  // Whether keys k0 … k0 + kn − 1 are empty for every row of the query block starting at q0.
+  bool skips(int64_t q0, int64_t k0, int64_t kn) const {
+    if (states == nullptr || kn <= 0) return false;
+    const int8_t* row_states = states + (q0 / kQueryBlock) * state_columns;
+    for (int64_t c = k0 / kStateBlock; c <= (k0 + kn - 1) / kStateBlock; ++c)
+      if (row_states[c] != kEmpty) return false;
+    return true;
+  }
+
+  // The mask code on n scores: −inf where it gives 0.
+  void block(Registers& r, float* s, int64_t n, int64_t z, int64_t i, int64_t j0) const {
+    const int64_t result = run(mask, r, nullptr, 1.f, n, z, i, j0);
+    if (r.uniform[result]) {
+      if (r.value[result] == 0.f) std::fill(s, s + n, kNegInf);
+      return;
+    }
+    const float* keep = r.row(result);
+    for (int64_t j = 0; j < n; ++j) s[j] = keep[j] != 0.f ? s[j] : kNegInf;
+  }
+
+  // The part [a, b) of n scores outside which every score is −inf, in whole vectors.
+  static std::pair<int64_t, int64_t> visible(const float* s, int64_t n) {
+    const Vec none(kNegInf);
+    int64_t a = 0, b = n;
+    while (a + kLanes <= b && (Vec::loadu(s + a) != none).zero_mask() == (1 << kLanes) - 1)
+      a += kLanes;
+    while (b - kLanes >= a && (Vec::loadu(s + b - kLanes) != none).zero_mask() == (1 << kLanes) - 1)
+      b -= kLanes;
+    return {a, b};
+  }
+
+  static void write(Registers& r, int64_t result, float* s, int64_t n) {
+    if (r.uniform[result]) return std::fill(s, s + n, r.value[result]);
+    std::copy(r.row(result), r.row(result) + n, s);
+  }
+};
+
+inline Code code_of(const at::Tensor& ops, const at::Tensor& constants, int64_t result) {
+  if (result < 0) return {};
+  TORCH_CHECK(ops.scalar_type() == at::kLong && ops.is_contiguous() && ops.dim() == 2 &&
+              ops.size(1) == 5, "mod program: contiguous int64 (count, 5) instructions");
+  TORCH_CHECK(constants.scalar_type() == at::kFloat && constants.is_contiguous(),
+              "mod program: contiguous float32 constants");
+  const int64_t* in = ops.const_data_ptr<int64_t>();
+  int64_t registers = std::max(kInputs, result + 1);
+  for (int64_t k = 0; k < ops.size(0); ++k) {
+    TORCH_CHECK(in[5 * k] >= 0 && in[5 * k] < kOps && in[5 * k + 1] >= kInputs,
+                "mod program: bad instruction ", k);
+    registers = std::max(registers, in[5 * k + 1] + 1);
+  }
+  std::vector<char> fixed(registers, 0), invariant(ops.size(0), 0);
+  fixed[1] = fixed[2] = fixed[4] = 1;  // b, h, j: the same for every row of a block
+  bool reads_keys = result == 4;
+  for (int64_t k = 0; k < ops.size(0); ++k) {
+    bool all = true;
+    for (const int64_t a : operands(in + 5 * k)) {
+      if (a < 0) continue;
+      TORCH_CHECK(a < registers, "mod program: bad register in instruction ", k);
+      all = all && fixed[a];
+      reads_keys = reads_keys || a == 4;
+    }
+    fixed[in[5 * k + 1]] = invariant[k] = all;
+  }
+  return {in, ops.size(0), constants.const_data_ptr<float>(), result, registers, reads_keys,
+          std::move(invariant)};
+}
+
+// The program of program.py's arguments; the tensors must outlive it.
+inline ModProgram mod_program(const at::Tensor& score_ops, const at::Tensor& score_constants,
+                              int64_t score_result, const at::Tensor& mask_ops,
+                              const at::Tensor& mask_constants, int64_t mask_result,
+                              const std::vector<at::Tensor>& tables, const at::Tensor& states,
+                              int64_t heads, double scale) {
+  ModProgram program{code_of(score_ops, score_constants, score_result),
+                     code_of(mask_ops, mask_constants, mask_result), {}, nullptr, 0, heads,
+                     static_cast<float>(scale)};
+  static std::atomic<int64_t> programs{1};
+  program.id = programs++;
+  for (const at::Tensor& table : tables) {
+    TORCH_CHECK(table.scalar_type() == at::kFloat && table.is_contiguous(),
+                "mod program: contiguous float32 tables");
+    program.tables.push_back({table.const_data_ptr<float>(), table.numel()});
+  }
+  for (const Code* code : {&program.score, &program.mask})
+    for (int64_t k = 0; k < code->count; ++k)
+      TORCH_CHECK(code->ops[5 * k] != kGather ||
+                  (code->ops[5 * k + 3] >= 0 &&
+                   code->ops[5 * k + 3] < static_cast<int64_t>(tables.size())),
+                  "mod program: gather from a missing table");
+  if (states.numel() > 0) {
+    TORCH_CHECK(states.scalar_type() == at::kChar && states.is_contiguous() && states.dim() == 2,
+                "mod program: contiguous int8 (query blocks, key blocks) states");
+    program.states = states.const_data_ptr<int8_t>();
+    program.state_columns = states.size(1);
+  }
+  return program;
+}
+
+}  // namespace

@@ -1,0 +1,242 @@
+"""flash's forward pass with a score_mod / mask_mod on the compiled kernel, the mods run as
+programs (``program.py``, ``program.h``): no Python per tile.
+
+``forward`` takes a call where the kernel takes its tensors (CPU; float32, bfloat16 or
+float16; at least ``kernel.DECODE_QUERIES`` queries), it has no float mask, no soft-cap and no
+ALiBi slopes beside the mods (their order with the score_mod is the loop's to define), both
+mods have programs, and no backward pass follows (training runs forward and backward on the
+exact path, which keeps what its backward pass needs); else it returns None and the call takes
+the exact path (the loop with ``TileMods``). A ``BlockMask``'s states are used as they are where its
+blocks are multiples of the kernel's 128 × 128 state blocks (otherwise the exact path); a plain
+mask_mod's states are found by evaluating it block by block, once per mask_mod, shape and version of
+the tensors it reads (a small cache). The program is proven equal to the eager mods on the first
+tile of the first call that runs it (``prove``) and the verdict cached per mod and version of the
+tensors they read: a program that differs warns once and those mods keep the exact path.
+
+``ENABLED = False`` (env ``QKV_FLEX_PROGRAM=0``) sends every call to the exact path.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from qkv import mods as own
+from qkv.backends.base import Call, Rules
+from qkv.backends.flash import kernel
+from qkv.backends.flash import mods as flash_mods
+from qkv.backends.flash.loop import flat_heads
+from qkv.backends.flash.program import (
+    KEY_BLOCK,
+    NO_CODE,
+    QUERY_BLOCK,
+    STATE_BLOCK,
+    Program,
+    Unsupported,
+    lower,
+)
+from qkv.backends.flash.rules import kernel_ranges
+
+ENABLED = os.environ.get("QKV_FLEX_PROGRAM", "1") != "0"
+_CACHE_SIZE = 16
+_PROGRAMS: collections.OrderedDict[Any, Program | None] = collections.OrderedDict()
+_STATES: collections.OrderedDict[Any, torch.Tensor] = collections.OrderedDict()
+EMPTY, PARTIAL, FULL = flash_mods.EMPTY, flash_mods.PARTIAL, flash_mods.FULL
+
+
+def forward(
+    call: Call, rules: Rules, differentiable: bool
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(out (*B, Hq, Lq, Dv) float32, lse (*B, Hq, Lq)) without sinks, on the kernel with the
+    mods' program, or None where it does not run this call (see the module doc; a pass that a
+    backward pass follows, ``differentiable``, stays on the exact path with it)."""
+    q, k, v = call.q, call.k, call.v
+    if differentiable or not _takes(call, rules):
+        return None
+    *batch, hq, lq, lk = call.scores_shape
+    ranges = kernel_ranges(rules.segments, tuple(batch), hq, lq)
+    parts = _mask_parts(call.rules.mask_mod)
+    if ranges is None or parts is None:
+        return None
+    mask_fn, block_states = parts
+    program = _program(call, call.rules.score_mod, mask_fn)
+    if program is None:
+        return None
+    states = torch.empty(0, 0, dtype=torch.int8)
+    if block_states is not None and flash_mods.skipping():
+        states = block_states((math.prod(batch), hq, lq, lk))
+    offset, window = call.causal_offset, rules.window_offset
+    low = q.dtype == torch.bfloat16 and kernel.bfloat16_products()
+    q_flat, k_flat, v_flat, batch_shape = flat_heads(
+        q, k, v, torch.bfloat16 if low else torch.float32
+    )
+    module = kernel.load()
+    assert module is not None  # (kernel.takes built it)
+    out, lse = module.forward_program(
+        q_flat.flatten(0, 1).contiguous(),
+        k_flat.contiguous(),
+        v_flat.contiguous(),
+        call.scale,
+        offset is not None,
+        offset or 0,
+        window is not None,
+        window or 0,
+        kernel.PRODUCTS.index(kernel.cached_products()),
+        *ranges,
+        *program.arguments(),
+        states,
+        hq,
+    )
+    return out.view(*batch_shape, hq, *out.shape[1:]), lse.view(*batch_shape, hq, lq)
+
+
+def _takes(call: Call, rules: Rules) -> bool:
+    return (
+        ENABLED
+        and call.mask is None
+        and rules.softcap is None
+        and rules.alibi_slopes is None
+        and call.q.shape[-2] >= kernel.DECODE_QUERIES
+        and call.q.dim() >= 3
+        and kernel.takes(call.q, call.k, call.v)
+    )
+
+
+def _mask_parts(
+    mask_mod: Any,
+) -> tuple[Callable[..., Any] | None, Callable[[Any], torch.Tensor] | None] | None:
+    """The mask_mod to compile (None: none) and the function giving its block states (None:
+    no mask); None where a BlockMask's blocks do not fall on the kernel's state blocks."""
+    if mask_mod is None:
+        return None, None
+    if getattr(mask_mod, "qkv_occupancy", None) is not None:  # qkv.flex.BlockSparse: a BlockMask
+        if mask_mod.q_block % QUERY_BLOCK or mask_mod.kv_block % STATE_BLOCK:
+            return None
+        return mask_mod.mask_mod, lambda shape: _block_mask_states(mask_mod, shape)
+    return mask_mod, lambda shape: _states(mask_mod, shape)
+
+
+def _block_mask_states(mask: Any, shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """A BlockMask's states (``BlockSparse.states``, blocks multiples of 128) on the kernel's
+    128 × 128 blocks, over every batch entry and head: each block takes its BlockMask block's."""
+    states = mask.states.flatten(0, 1)  # (Bm·Hm, nQ, nKV)
+    some, every = (states != EMPTY).any(0), (states == FULL).all(0)
+    merged = torch.where(every, FULL, torch.where(some, PARTIAL, EMPTY)).to(torch.int8)
+    rows, columns = math.ceil(shape[2] / QUERY_BLOCK), math.ceil(shape[3] / STATE_BLOCK)
+    merged = merged.repeat_interleave(mask.q_block // QUERY_BLOCK, 0)[:rows]
+    return merged.repeat_interleave(mask.kv_block // STATE_BLOCK, 1)[:, :columns].contiguous()
+
+
+def _cached(cache: collections.OrderedDict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
+    try:
+        hash(key)
+    except TypeError:  # an unhashable mod: for this call only
+        return make()
+    if key not in cache:
+        cache[key] = make()
+        while len(cache) > _CACHE_SIZE:
+            cache.popitem(last=False)
+    cache.move_to_end(key)
+    return cache[key]
+
+
+def _program(call: Call, score_mod: Any, mask_fn: Any) -> Program | None:
+    """The mods' program, proven on this call's first tile the first time (cached)."""
+    key = tuple((m, _versions(m)) for m in (score_mod, mask_fn) if m is not None)
+    return _cached(_PROGRAMS, key, lambda: _proven(call, score_mod, mask_fn))  # type: ignore[no-any-return]
+
+
+def _versions(mod: Any) -> tuple[tuple[int, int, int], ...]:
+    """Every tensor the mod reads, as (id, data pointer, version): a tensor changed in place, or
+    another one in its place, makes a new cache key."""
+    return tuple((id(t), t.data_ptr(), t._version) for t in own.captured_tensors(mod, every=True))
+
+
+def _proven(call: Call, score_mod: Any, mask_fn: Any) -> Program | None:
+    tables: list[torch.Tensor] = []
+    try:
+        score = NO_CODE if score_mod is None else lower(score_mod, True, tables)
+        mask = NO_CODE if mask_fn is None else lower(mask_fn, False, tables)
+    except Unsupported:
+        return None
+    program = Program(score, mask, tables)
+    reason = prove(program, call, score_mod, mask_fn)
+    if reason is None:
+        return program
+    warnings.warn(
+        f"qkv: the compiled program of this score_mod/mask_mod differs from the mod on its "
+        f"first tile ({reason}); running the mods on the exact path",
+        stacklevel=4,
+    )
+    return None
+
+
+def prove(program: Program, call: Call, score_mod: Any, mask_fn: Any) -> str | None:
+    """None where ``program`` gives what the eager mods give on the call's first tile (queries
+    0…127, keys 0…511, every batch entry and head, the call's own scores), else what differs.
+    A mod whose result has the wrong dtype or shape raises as on the exact path."""
+    *batch, hq, lq, lk = call.scores_shape
+    b, rows, n = math.prod(batch), min(QUERY_BLOCK, lq), min(KEY_BLOCK, lk)
+    q_flat, k_flat, _, _ = flat_heads(call.q, call.k, call.v, torch.float32)
+    scores = q_flat[:, :, :rows] @ k_flat[:, None, :n].transpose(-1, -2)  # (N, g, R, n)
+    scores = scores.reshape(-1, rows, n).contiguous()
+    module = kernel.load()
+    assert module is not None
+    got, keep = module.evaluate_program(scores, 0, 0, call.scale, *program.arguments(), hq)
+    shape = (b, hq, rows, n)
+    index = own.indices(b, hq, 0, rows, 0, n, call.q.device)
+    if score_mod is not None:
+        expected = score_mod(scores.view(shape) * call.scale, *index)
+        own.checked("score_mod", expected, shape, torch.float32)
+        if not own.same(got.view(shape), expected.expand(shape)):
+            return "score_mod"
+    if mask_fn is not None:
+        allowed = own.checked("mask_mod", mask_fn(*index), shape, torch.bool)
+        if not torch.equal(keep.view(shape) != 0, allowed.expand(shape)):
+            return "mask_mod"
+    return None
+
+
+def _states(mask_mod: Callable[..., Any], shape: tuple[int, int, int, int]) -> torch.Tensor:
+    key = (mask_mod, shape, _versions(mask_mod))
+    return _cached(_STATES, key, lambda: evaluate_states(mask_mod, shape))  # type: ignore[no-any-return]
+
+
+def evaluate_states(mask_mod: Callable[..., Any], shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """(ceil(Lq / 128), ceil(Lk / 128)) int8 EMPTY/PARTIAL/FULL of the mask_mod over every batch
+    entry and head, evaluated one query block and up to 16 state blocks at a time."""
+    batch, heads, lq, lk = shape
+    columns = math.ceil(lk / STATE_BLOCK)
+    states = torch.empty(math.ceil(lq / QUERY_BLOCK), columns, dtype=torch.int8)
+    chunk = 16 * STATE_BLOCK
+    for i, q0 in enumerate(range(0, lq, QUERY_BLOCK)):
+        q1 = min(lq, q0 + QUERY_BLOCK)
+        for k0 in range(0, lk, chunk):
+            k1 = min(lk, k0 + chunk)
+            rows = (batch, heads, q1 - q0, k1 - k0)
+            keep = own.checked(
+                "mask_mod",
+                mask_mod(*own.indices(*shape[:2], q0, q1, k0, k1, torch.device("cpu"))),
+                rows,
+                torch.bool,
+            )
+            keep = keep.expand(rows).reshape(-1, k1 - k0).view(torch.uint8)
+            pad = (-(k1 - k0)) % STATE_BLOCK
+            blocks = (k1 - k0 + pad) // STATE_BLOCK
+            some = (
+                torch.nn.functional.pad(keep, (0, pad)).view(-1, blocks, STATE_BLOCK).amax((0, 2))
+            )
+            every = (
+                torch.nn.functional.pad(keep, (0, pad), value=1)
+                .view(-1, blocks, STATE_BLOCK)
+                .amin((0, 2))
+            )
+            state = torch.where(every > 0, FULL, torch.where(some > 0, PARTIAL, EMPTY))
+            states[i, k0 // STATE_BLOCK : k0 // STATE_BLOCK + blocks] = state.to(torch.int8)
+    return states
