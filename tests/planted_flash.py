@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from qkv.checker import flash_cost
+from qkv.checker.flash import cost as flash_cost
 
 Tensor = torch.Tensor
 

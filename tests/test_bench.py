@@ -15,7 +15,7 @@ import torch
 
 from qkv import cli
 from qkv.backends.flash import kernel
-from qkv.bench import arguments, auto, cases, decode, isa, memory, timing
+from qkv.bench import arguments, auto, cases, decode, isa, memory, runs, timing
 
 
 def test_a_small_run_writes_the_table_json_and_plot(
@@ -52,6 +52,32 @@ def test_a_small_run_writes_the_table_json_and_plot(
     assert len(progress) == count
     assert progress[0].startswith(f"[1/{count}] functional forward float32 full T=16: torch ")
     assert all("flash" in line and "x)" in line and "reference" in line for line in progress)
+
+
+@pytest.mark.parametrize(
+    ("option", "module", "extra"),
+    [
+        (["--plot", "out.png"], "matplotlib", "explain"),
+        (["--continuous", "2"], "transformers", "hf"),
+    ],
+)
+def test_an_option_without_its_optional_dependency_stops_before_measuring(
+    option: list[str],
+    module: str,
+    extra: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # import fails as if not installed
+
+    def measured(*args: object, **kwargs: object) -> None:
+        raise AssertionError("measured before the dependency was checked")
+
+    monkeypatch.setattr(runs, "measure", measured)
+    monkeypatch.setattr(timing, "matmul_rate", measured)
+    assert cli.main(["bench", "--lengths", "16", *option]) == 2
+    err = capsys.readouterr().err
+    assert f"{option[0]} needs {module}" in err and f'pip install "qkv[{extra}]"' in err
 
 
 def test_progress_lines_are_flushed_as_they_are_written(capfd: pytest.CaptureFixture[str]) -> None:

@@ -13,10 +13,11 @@ import torch
 from torch.nn import functional as F
 
 import qkv
-from qkv.checker import CheckError, Report, check, flash_cost, load
-from qkv.checker.flash_context import FlashContext
-from qkv.checker.flash_run import check_flash
-from qkv.checker.flash_target import flash_target
+from qkv.checker import CheckError, Report, check, load
+from qkv.checker.flash import cost as flash_cost
+from qkv.checker.flash.context import FlashContext
+from qkv.checker.flash.run import check_flash
+from qkv.checker.flash.target import flash_target
 from qkv.checker.report import FLASH_CHECK_IDS
 
 TUTORIALS = Path(__file__).resolve().parents[1] / "examples" / "tutorials"

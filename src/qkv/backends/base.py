@@ -49,11 +49,21 @@ class Rules:
     # is True where the query may attend, and joins the other rules.
     score_mod: Callable[..., Any] | None = None
     mask_mod: Callable[..., Any] | None = None
+    # A packed batch's rules as data (``qkv.varlen_attn`` on flash's kernel, which alone reads
+    # them): (R, Lq, 3) int64 per query row of each of the R = prod(*batch) entries, the keys
+    # [lo, hi) it may see and its ALiBi shift (distance i + shift − j); the causal and window
+    # offsets are then None, and the ranges hold each sequence's own.
+    key_ranges: torch.Tensor | None = None
 
     @property
     def structured(self) -> bool:
-        """Whether keys are restricted by a window or segments (beyond mask and causal)."""
-        return self.window_offset is not None or self.segments is not None
+        """Whether keys are restricted by a window, segments or key ranges (beyond mask and
+        causal)."""
+        return (
+            self.window_offset is not None
+            or self.segments is not None
+            or self.key_ranges is not None
+        )
 
     @property
     def modified_scores(self) -> bool:

@@ -21,7 +21,9 @@ The table goes to stdout; one progress line per case goes to stderr as the run g
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -36,6 +38,12 @@ from qkv.bench import paged as paged_bench
 from qkv.bench import varlen as varlen_bench
 
 MATMUL_BUDGET_S = 1.0  # the whole matrix-multiply probe, all dtypes together
+
+# The options that need an optional dependency: (option, what it is for, module, qkv's extra).
+OPTIONAL = (
+    ("plot", "--plot", "matplotlib", "explain"),
+    ("continuous", "--continuous", "transformers", "hf"),
+)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -177,6 +185,10 @@ def configure_newer_modes(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run what ``args`` asks for, print it, and record it with --json/--plot."""
+    missing = missing_dependency(args)
+    if missing is not None:
+        print(f"qkv bench: {missing}", file=sys.stderr)
+        return 2
     if args.settings is not None:  # the fresh process of an --isa run
         args = isa.settings(args.settings)
     if isa.needs_fresh_process(args.isa):
@@ -216,6 +228,19 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         report.write_json(args.json, record)
     return 0
+
+
+def missing_dependency(args: argparse.Namespace) -> str | None:
+    """What an option of ``args`` needs and cannot import (None if nothing), checked before
+    anything is measured so that no run is lost to it."""
+    for option, flag, module, extra in OPTIONAL:
+        if getattr(args, option, None) in (None, False):
+            continue
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            return f'{flag} needs {module}, which is not installed: pip install "qkv[{extra}]"'
+    return None
 
 
 def newer_modes(args: argparse.Namespace, shape: cases.Shape, record: dict[str, Any]) -> bool:

@@ -15,13 +15,9 @@ One module per job:
 - ``report``: ``Report``, JSON and the card; ``run``: ``check``, ``assert_attention``, ``load``.
 - ``command``: the ``qkv check`` command line; ``tutorials``: ``qkv check --examples``.
 
-``qkv.check(obj, flash=True)`` (``--flash``) grades a flash attention instead, against float64
-in out, lse and gradients, and for linear memory and skipped causal work:
-
-- ``flash_target``: calling a function or ``autograd.Function``; ``flash_context``: what the
-  flash checks share; ``flash_oracle``: the float64 truth and the usual flash mistakes.
-- ``flash_checks``, ``flash_edges`` and ``flash_cost``: the eleven checks; ``flash_run``: all of
-  them on one implementation.
+``flash``: the package of ``qkv.check(obj, flash=True)`` (``--flash``), which grades a flash
+attention instead, against float64 in out, lse and gradients, and for linear memory and skipped
+causal work.
 """
 
 from qkv.checker.report import CHECK_IDS, Report, Result

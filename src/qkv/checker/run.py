@@ -21,8 +21,8 @@ from torch import nn
 
 from qkv.checker import checks, robustness
 from qkv.checker.context import Context, build, describe
-from qkv.checker.flash_run import check_flash
-from qkv.checker.flash_target import flash_target
+from qkv.checker.flash.run import check_flash
+from qkv.checker.flash.target import flash_target
 from qkv.checker.report import Report, Result
 from qkv.checker.target import (
     CheckError,

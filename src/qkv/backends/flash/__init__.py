@@ -11,6 +11,8 @@ Its parts, one concern each:
 - ``passes.py``: ``forward``, ``gradients`` and ``backward``, which run a call's passes on the
   kernel where it takes them and on the loop otherwise (ring attention calls ``forward`` and
   ``backward`` block by block).
+- ``autograd.py``: those passes as flash's one autograd function, for dense, packed
+  (``varlen.py``) and score_mod / mask_mod (``mods_call.py``) calls alike.
 - ``ops.py``: those passes as PyTorch custom operators, which torch.compile, torch.export,
   FakeTensor and meta tensors see as one opaque operator per call.
 - this module: the backend's entry points (``why_not``, ``attention``, ``attention_with_cache``).
@@ -18,14 +20,11 @@ Its parts, one concern each:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 
 from qkv import _tracing
-from qkv.backends.base import CacheWrite, Call, Rules
-from qkv.backends.flash import kernel, ops
+from qkv.backends.base import CacheWrite, Call
+from qkv.backends.flash import autograd, kernel, ops
 from qkv.backends.flash.loop import KEY_TILE, QUERY_TILE
 from qkv.backends.flash.passes import backward, forward, gradients, sink_gradient, with_sinks
 from qkv.backends.flash.rules import kernel_ranges
@@ -95,14 +94,8 @@ def attention(call: Call) -> tuple[torch.Tensor, None, torch.Tensor | None]:
     if _tracing.traced(call.q):
         out, lse = ops.attention(call)
     elif call.needs_gradients:  # (a float mask that needs them is refused by why_not)
-        out, lse = _FlashAttention.apply(  # type: ignore[no-untyped-call]
-            call.q,
-            call.k,
-            call.v,
-            call.rules.sinks,
-            call.rules.alibi_slopes,
-            _Options(call.mask, call.causal_offset, call.scale, call.rules),
-        )
+        options = autograd.Pass(call.scale, call.causal_offset, call.mask, call.rules)
+        out, lse = autograd.attention(call.q, call.k, call.v, options)
     else:
         out, lse = forward(
             call.q,
@@ -145,64 +138,3 @@ def attention_with_cache(
         return out, None, None
     write.apply()
     return attention(call)
-
-
-@dataclass(frozen=True)
-class _Options:
-    """The non-tensor inputs of a differentiable flash call."""
-
-    mask: torch.Tensor | None
-    causal_offset: int | None
-    scale: float
-    rules: Rules
-
-
-class _FlashAttention(torch.autograd.Function):
-    """Saves q, k, v, out and lse only; the backward pass recomputes the tiles. (The eager form
-    of ``ops.attention``'s autograd: the same ``forward`` and ``gradients``.)"""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        sinks: torch.Tensor | None,
-        alibi_slopes: torch.Tensor | None,
-        options: _Options,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = forward(
-            q,
-            k,
-            v,
-            scale=options.scale,
-            causal_offset=options.causal_offset,
-            mask=options.mask,
-            rules=options.rules,
-        )
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = options
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(
-        ctx: Any, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        options: _Options = ctx.options
-        dq, dk, dv, dslopes, dsinks = gradients(
-            q,
-            k,
-            v,
-            out,
-            lse,
-            torch.zeros_like(out) if grad_out is None else grad_out,
-            grad_lse,
-            scale=options.scale,
-            causal_offset=options.causal_offset,
-            mask=options.mask,
-            rules=options.rules,
-        )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, dslopes, None

@@ -8,9 +8,10 @@ and its backward pass ``torch.ops.qkv.attention_backward`` (joined by ``register
 ``kernel.decode_step``, for every device (the kernel where it takes the call, the loop
 elsewhere); their fake implementations give the outputs' shapes and dtypes from the inputs'.
 
-The schema takes the score rules as they are on the ``Call`` (``base.Rules``): the causal and
-window offsets and the soft-cap as optional numbers, tensors only for what is a tensor (the mask,
-segment ids, ALiBi slopes, sinks). Eager calls skip the operators' dispatch (``flash.attention``
+The schema takes the score rules as they are on the ``Call`` (``base.Rules``), listed once in
+``RULE_ARGUMENTS``: the causal and window offsets and the soft-cap as optional numbers, tensors
+only for what is a tensor (the mask, segment ids, ALiBi slopes, sinks, a packed batch's key
+ranges). Eager calls skip the operators' dispatch (``flash.attention``
 calls the same functions directly), so decoding pays nothing for them.
 Legend: B batch, Hq/Hkv heads, Lq/Lk lengths, Dk/Dv features.
 """
@@ -33,24 +34,57 @@ else:
 Pair = tuple[torch.Tensor, torch.Tensor]
 
 
+# The score rules both attention operators take after their tensors, in order, with their
+# schema types: the one list that the schema, a call's arguments and the ``Rules`` rebuilt from
+# them are made from (``Rules`` fields by name; segments as two tensors; key_ranges last).
+RULE_ARGUMENTS = (
+    ("mask", "Tensor?"),
+    ("scale", "float"),
+    ("causal_offset", "SymInt?"),
+    ("window_offset", "SymInt?"),
+    ("q_segments", "Tensor?"),
+    ("k_segments", "Tensor?"),
+    ("softcap", "float?"),
+    ("alibi_slopes", "Tensor?"),
+    ("sinks", "Tensor?"),
+    ("key_ranges", "Tensor?"),
+)
+_NAMES = tuple(name for name, _ in RULE_ARGUMENTS)
+_REQUIRED = max(i for i, (_, kind) in enumerate(RULE_ARGUMENTS) if not kind.endswith("?"))
+_SCHEMA_RULES = ", ".join(  # the optional ones after the last required one default to None
+    f"{kind} {name}" + ("=None" if i > _REQUIRED else "")
+    for i, (name, kind) in enumerate(RULE_ARGUMENTS)
+)
+_TENSOR_RULES = tuple(i for i, (_, kind) in enumerate(RULE_ARGUMENTS) if kind.startswith("Tensor"))
+_SLOPES, _SINKS = _NAMES.index("alibi_slopes"), _NAMES.index("sinks")
+
+
 def attention(call: Call) -> Pair:
     """(out in the compute dtype, lse) of a checked call, as one custom operator."""
-    segments = call.rules.segments
-    result: Pair = torch.ops.qkv.attention(
-        call.q,
-        call.k,
-        call.v,
-        call.mask,
-        call.scale,
-        call.causal_offset,
-        call.rules.window_offset,
-        None if segments is None else segments[0],
-        None if segments is None else segments[1],
-        call.rules.softcap,
-        call.rules.alibi_slopes,
-        call.rules.sinks,
-    )
+    result: Pair = torch.ops.qkv.attention(call.q, call.k, call.v, *rule_arguments(call))
     return result
+
+
+def rule_arguments(call: Call) -> tuple[Any, ...]:
+    """``call``'s mask, scale, causal offset and ``Rules`` as ``RULE_ARGUMENTS``."""
+    q_segments, k_segments = call.rules.segments or (None, None)
+    given = {"mask": call.mask, "scale": call.scale, "causal_offset": call.causal_offset}
+    given.update(q_segments=q_segments, k_segments=k_segments)
+    return tuple(given[name] if name in given else getattr(call.rules, name) for name in _NAMES)
+
+
+def _filled(values: tuple[Any, ...] | list[Any]) -> list[Any]:
+    """``RULE_ARGUMENTS``' values as given, the defaults left out filled in (None)."""
+    return [*values, *[None] * (len(_NAMES) - len(values))]
+
+
+def _options(values: tuple[Any, ...]) -> tuple[Tensor | None, float, int | None, Rules]:
+    """``RULE_ARGUMENTS``' values as (mask, scale, causal offset, ``Rules``)."""
+    named = dict(zip(_NAMES, _filled(values), strict=True))
+    mask, scale, causal_offset = named.pop("mask"), named.pop("scale"), named.pop("causal_offset")
+    q_segments, k_segments = named.pop("q_segments"), named.pop("k_segments")
+    segments = None if q_segments is None or k_segments is None else (q_segments, k_segments)
+    return mask, scale, causal_offset, Rules(segments=segments, **named)
 
 
 def decode_step(
@@ -70,43 +104,21 @@ def decode_step(
     return out
 
 
-def _rules(
-    window_offset: int | None,
-    q_segments: Tensor | None,
-    k_segments: Tensor | None,
-    softcap: float | None,
-    alibi_slopes: Tensor | None,
-    sinks: Tensor | None,
-) -> Rules:
-    """The operators' rule arguments as the ``Rules`` the backend takes."""
-    segments = None if q_segments is None or k_segments is None else (q_segments, k_segments)
-    return Rules(softcap, alibi_slopes, window_offset, segments, sinks)
-
-
-@torch.library.custom_op("qkv::attention", mutates_args=())
-def _attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None,
-    scale: float,
-    causal_offset: int | None,
-    window_offset: int | None,
-    q_segments: Tensor | None,
-    k_segments: Tensor | None,
-    softcap: float | None,
-    alibi_slopes: Tensor | None,
-    sinks: Tensor | None,
-) -> tuple[Tensor, Tensor]:
-    rules = _rules(window_offset, q_segments, k_segments, softcap, alibi_slopes, sinks)
+@torch.library.custom_op(
+    "qkv::attention",
+    mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, {_SCHEMA_RULES}) -> (Tensor, Tensor)",
+)
+def _attention(q: Tensor, k: Tensor, v: Tensor, *rules: Any) -> tuple[Tensor, Tensor]:
+    mask, scale, causal_offset, call_rules = _options(rules)
     out, lse = passes.forward(
-        q, k, v, scale=scale, causal_offset=causal_offset, mask=mask, rules=rules
+        q, k, v, scale=scale, causal_offset=causal_offset, mask=mask, rules=call_rules
     )
     return out.contiguous(), lse.contiguous()
 
 
 @_attention.register_fake
-def _attention_fake(q: Tensor, k: Tensor, v: Tensor, *args: Any) -> tuple[Tensor, Tensor]:
+def _attention_fake(q: Tensor, k: Tensor, v: Tensor, *rules: Any) -> tuple[Tensor, Tensor]:
     batch = _checks.broadcast_shape(q.shape[:-3], k.shape[:-3], v.shape[:-3])
     assert batch is not None  # checked with the call
     rows = (*batch, q.shape[-3], q.shape[-2])
@@ -114,7 +126,12 @@ def _attention_fake(q: Tensor, k: Tensor, v: Tensor, *args: Any) -> tuple[Tensor
     return q.new_empty((*rows, v.shape[-1]), dtype=dtype), q.new_empty(rows, dtype=dtype)
 
 
-@torch.library.custom_op("qkv::attention_backward", mutates_args=())
+@torch.library.custom_op(
+    "qkv::attention_backward",
+    mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor grad_out, "
+    f"Tensor? grad_lse, {_SCHEMA_RULES}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
 def _attention_backward(
     q: Tensor,
     k: Tensor,
@@ -123,19 +140,11 @@ def _attention_backward(
     lse: Tensor,
     grad_out: Tensor,
     grad_lse: Tensor | None,
-    mask: Tensor | None,
-    scale: float,
-    causal_offset: int | None,
-    window_offset: int | None,
-    q_segments: Tensor | None,
-    k_segments: Tensor | None,
-    softcap: float | None,
-    alibi_slopes: Tensor | None,
-    sinks: Tensor | None,
+    *rules: Any,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv in the compute dtype, d alibi_slopes, d sinks); a gradient with no input
     is an empty (0,) tensor."""
-    rules = _rules(window_offset, q_segments, k_segments, softcap, alibi_slopes, sinks)
+    mask, scale, causal_offset, call_rules = _options(rules)
     dq, dk, dv, dslopes, dsinks = passes.gradients(
         q,
         k,
@@ -147,7 +156,7 @@ def _attention_backward(
         scale=scale,
         causal_offset=causal_offset,
         mask=mask,
-        rules=rules,
+        rules=call_rules,
         every_gradient=True,
     )
     return (
@@ -161,9 +170,10 @@ def _attention_backward(
 
 @_attention_backward.register_fake
 def _attention_backward_fake(
-    q: Tensor, k: Tensor, v: Tensor, *args: Any
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *args: Any
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    alibi_slopes, sinks = args[-2], args[-1]
+    rules = _filled(args[2:])  # after grad_out and grad_lse
+    alibi_slopes, sinks = rules[_SLOPES], rules[_SINKS]
     dtype = compute_dtype(q.dtype)
     return (
         q.new_empty(q.shape, dtype=dtype),
@@ -174,68 +184,30 @@ def _attention_backward_fake(
     )
 
 
-_TENSOR_INPUTS = ("q", "k", "v", "mask", "q_segments", "k_segments", "alibi_slopes", "sinks")
-_OTHER_INPUTS = ("scale", "causal_offset", "window_offset", "softcap")
-
-
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    named = dict(zip(_ORDER, inputs, strict=True))
-    ctx.save_for_backward(*(named[name] for name in _TENSOR_INPUTS), *output)
-    ctx.others = tuple(named[name] for name in _OTHER_INPUTS)
+    q, k, v, *given = inputs
+    rules = _filled(given)
+    ctx.save_for_backward(q, k, v, *output, *(rules[i] for i in _TENSOR_RULES))
+    ctx.others = [None if i in _TENSOR_RULES else value for i, value in enumerate(rules)]
 
 
 def _backward(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None) -> tuple[Any, ...]:
-    q, k, v, mask, q_segments, k_segments, alibi_slopes, sinks, out, lse = ctx.saved_tensors
-    scale, causal_offset, window_offset, softcap = ctx.others
+    q, k, v, out, lse, *tensors = ctx.saved_tensors
+    rules = list(ctx.others)
+    for i, tensor in zip(_TENSOR_RULES, tensors, strict=True):
+        rules[i] = tensor
     dq, dk, dv, dslopes, dsinks = torch.ops.qkv.attention_backward(
-        q,
-        k,
-        v,
-        out,
-        lse,
-        torch.zeros_like(out) if grad_out is None else grad_out,
-        grad_lse,
-        mask,
-        scale,
-        causal_offset,
-        window_offset,
-        q_segments,
-        k_segments,
-        softcap,
-        alibi_slopes,
-        sinks,
+        q, k, v, out, lse, torch.zeros_like(out) if grad_out is None else grad_out, grad_lse, *rules
     )
-    needs = ctx.needs_input_grad
-    return (
-        dq.to(q.dtype),
-        dk.to(k.dtype),
-        dv.to(v.dtype),
-        None,  # mask (a float mask that needs a gradient is refused by flash.why_not)
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        dslopes.to(alibi_slopes.dtype) if alibi_slopes is not None and needs[10] else None,
-        dsinks.to(sinks.dtype) if sinks is not None and needs[11] else None,
-    )
+    # the mask's gradient is None: a float mask that needs one is refused by flash.why_not
+    rule_grads: list[Tensor | None] = [None] * len(rules)
+    needs = ctx.needs_input_grad[3:]
+    for i, grad in ((_SLOPES, dslopes), (_SINKS, dsinks)):
+        if rules[i] is not None and needs[i]:
+            rule_grads[i] = grad.to(rules[i].dtype)
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *rule_grads[: len(needs)])
 
 
-_ORDER = (
-    "q",
-    "k",
-    "v",
-    "mask",
-    "scale",
-    "causal_offset",
-    "window_offset",
-    "q_segments",
-    "k_segments",
-    "softcap",
-    "alibi_slopes",
-    "sinks",
-)
 _attention.register_autograd(_backward, setup_context=_setup_context)
 
 

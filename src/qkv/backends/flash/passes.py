@@ -7,6 +7,7 @@ Legend: B batch, Hq/Hkv heads, Lq/Lk lengths, Dk/Dv features.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from qkv import _checks, logsumexp
 from qkv.backends.base import NO_RULES, Rules
 from qkv.backends.flash import kernel, loop
 from qkv.backends.flash.rules import kernel_ranges, kernel_slopes
+
+if TYPE_CHECKING:
+    from qkv.backends.flash.mods import TileMods
 
 
 def forward(
@@ -25,21 +29,23 @@ def forward(
     causal_offset: int | None = None,
     mask: torch.Tensor | None = None,
     rules: Rules = NO_RULES,
+    mods: TileMods | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``loop.forward`` (same arguments and results: out in the compute dtype, lse), on the
-    compiled kernel where it takes the call (no mask, segments in contiguous runs; CPU,
-    float32/float16/bfloat16). ``rules.sinks`` (Hq,) join each row afterwards: a sink is a key
-    with logit sinks[h] and value 0, so it rescales out by exp(lse − lse') and adds to the
-    log-sum-exp."""
+    compiled kernel where it takes the call (no mask, no ``mods``, segments in contiguous runs;
+    CPU, float32/float16/bfloat16; ``rules.key_ranges`` only there). ``rules.sinks`` (Hq,) join
+    each row afterwards: a sink is a key with logit sinks[h] and value 0, so it rescales out by
+    exp(lse − lse') and adds to the log-sum-exp."""
     compiled = None
-    arguments = _kernel_rules(q, k, v, rules) if mask is None else None
+    arguments = _kernel_rules(q, k, v, rules) if mask is None and mods is None else None
     if arguments is not None:
         compiled = kernel.forward(q, k, v, scale, causal_offset, *arguments)
     if compiled is not None:
         out, lse = compiled
     else:
+        _loop_takes(rules)
         out, lse = loop.forward(
-            q, k, v, scale=scale, causal_offset=causal_offset, mask=mask, rules=rules
+            q, k, v, scale=scale, causal_offset=causal_offset, mask=mask, rules=rules, mods=mods
         )
     if rules.sinks is not None:
         out, lse = with_sinks(out, lse, rules.sinks)
@@ -59,10 +65,22 @@ def _kernel_rules(
     batch = _checks.broadcast_shape(q.shape[:-3], k.shape[:-3], v.shape[:-3])
     assert batch is not None  # checked with the call
     hq = q.shape[-3]
-    ranges = kernel_ranges(rules.segments, batch, hq, q.shape[-2])
+    if rules.key_ranges is not None:
+        ranges: tuple[torch.Tensor, int] | None = (rules.key_ranges, hq)
+    else:
+        ranges = kernel_ranges(rules.segments, batch, hq, q.shape[-2])
     if ranges is None:
         return None
     return rules.window_offset, ranges, rules.softcap, kernel_slopes(rules.alibi_slopes, batch, hq)
+
+
+def _loop_takes(rules: Rules) -> None:
+    """Refuse what only the kernel reads (the caller asks ``kernel.takes`` first)."""
+    if rules.key_ranges is not None:
+        raise ValueError(
+            "flash: key_ranges are read by the compiled kernel only, which does not take this "
+            "call (it takes float32/float16/bfloat16 on the CPU, one batch shape)"
+        )
 
 
 def with_sinks(
@@ -118,6 +136,7 @@ def gradients(
     mask: torch.Tensor | None,
     rules: Rules,
     every_gradient: bool = False,
+    mods: TileMods | None = None,
 ) -> Gradients:
     """The backward pass of ``forward`` given its out and lse: (dq, dk, dv in the compute dtype,
     the ALiBi slopes' gradient shaped as ``rules.alibi_slopes`` or None, the sinks' gradient or
@@ -125,13 +144,14 @@ def gradients(
     and sinks' gradients are computed where they require one, or with ``every_gradient`` where
     they are given (a custom operator's tensors never require one). out and lse already hold
     the sinks' share, and a sink's value is 0, so the keys' gradients are those of plain
-    attention given out and lse."""
+    attention given out and lse. ``mods``: a score_mod / mask_mod's tiles, on the loop, which
+    adds up its captured tensors' gradients in ``mods.captured_grads``."""
     slopes, sinks = rules.alibi_slopes, rules.sinks
     if every_gradient and slopes is not None and not slopes.requires_grad:
         # (the loop adds up the slopes' gradient for slopes that require one)
         rules = dataclasses.replace(rules, alibi_slopes=slopes.detach().requires_grad_())
     compiled = None
-    arguments = _kernel_rules(q, k, v, rules) if mask is None else None
+    arguments = _kernel_rules(q, k, v, rules) if mask is None and mods is None else None
     if arguments is not None:
         compiled = kernel.backward(
             q, k, v, out, grad_out, lse, scale, causal_offset, *arguments, grad_lse=grad_lse
@@ -141,6 +161,7 @@ def gradients(
         if dslopes is not None:
             dslopes = dslopes.view(*q.shape[:-2])  # (*B, Hq): kernel.backward takes one batch
     else:
+        _loop_takes(rules)
         dq, dk, dv, dslopes = loop.backward_all(
             q,
             k,
@@ -153,6 +174,7 @@ def gradients(
             mask=mask,
             rules=rules,
             grad_lse=grad_lse,
+            mods=mods,
         )
     if dslopes is not None and slopes is not None:
         dslopes = dslopes.sum_to_size(slopes.shape).to(slopes.dtype)

@@ -7,22 +7,21 @@ lo = k_start_i + max(0, p − left), hi = k_start_i + min(k_len_i, p + right + 1
 p = r − q_start_i + k_len_i − q_len_i its position among the sequence's keys: each sequence's
 own bottom-right diagonal and window, and tiles outside every row's range are skipped, so a
 packed batch costs what its sequences cost alone. A third column gives each row its own ALiBi
-shift (the kernel's distance i + shift − j is then p − (j − k_start_i)).
+shift (the kernel's distance i + shift − j is then p − (j − k_start_i)). The table rides in
+``Rules.key_ranges`` through flash's one autograd function (``autograd.py``), forward and backward.
 
-Where the kernel does not run (float64, another device, no kernel, or a gradient through the
-log-sum-exp) ``qkv.varlen`` runs each sequence alone: the same rules, by definition. Paged pools
+Where the kernel does not run (float64, another device, no kernel) ``qkv.varlen`` runs each
+sequence alone: the same rules, by definition. Paged pools
 are read in ``paged.py``; ``sequences.py`` holds the batch's layout and each row's keys.
 Legend: N sequences, T_q / T_k packed tokens, H_q / H_kv heads, D / Dv features.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 
-from qkv.backends.flash import kernel
+from qkv.backends.base import Rules
+from qkv.backends.flash import autograd, kernel
 from qkv.backends.flash import paged as paged_reading
 from qkv.backends.flash.sequences import Packing, VarlenRules, rows
 
@@ -51,10 +50,13 @@ def packed(
     q4, k4, v4 = (x.transpose(0, 1)[None] for x in (query, key, value))  # (1, H, T, D) views
     if not kernel.takes(q4, k4, v4):
         return None
-    ranges = kernel_ranges(packing, rules)
-    slopes = rules.alibi_slopes
-    options = _Options(rules.scale, ranges, rules.softcap)
-    out, lse = _Packed.apply(q4, k4, v4, rules.sinks, slopes, options)  # type: ignore[no-untyped-call]
+    packed_rules = Rules(
+        softcap=rules.softcap,
+        alibi_slopes=rules.alibi_slopes,
+        sinks=rules.sinks,
+        key_ranges=kernel_ranges(packing, rules),
+    )
+    out, lse = autograd.attention(q4, k4, v4, autograd.Pass(rules.scale, rules=packed_rules))
     return out[0].transpose(0, 1).to(query.dtype), lse[0]
 
 
@@ -75,81 +77,3 @@ def paged(
         out4, lse4 = with_sinks(out.transpose(0, 1)[None], lse[None], rules.sinks)
         out, lse = out4[0].transpose(0, 1), lse4[0]
     return out.to(query.dtype), lse
-
-
-@dataclass(frozen=True)
-class _Options:
-    scale: float
-    ranges: torch.Tensor  # (1, T_q, 3)
-    softcap: float | None
-
-
-def _slopes(slopes: torch.Tensor | None) -> torch.Tensor | None:
-    return None if slopes is None else slopes.detach().to(torch.float32).contiguous().cpu()
-
-
-class _Packed(torch.autograd.Function):
-    """A packed batch on the kernel: saves q, k, v, out and lse; the backward pass is the
-    kernel's, with the same per-row key ranges and ALiBi shifts."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        sinks: torch.Tensor | None,
-        slopes: torch.Tensor | None,
-        options: _Options,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        from qkv.backends.flash import with_sinks
-
-        ranges = (options.ranges, q.shape[1])
-        result = kernel.forward(
-            q,
-            k,
-            v,
-            options.scale,
-            None,
-            ranges=ranges,
-            softcap=options.softcap,
-            slopes=_slopes(slopes),
-        )
-        assert result is not None  # packed() asked kernel.takes
-        out, lse = result
-        if sinks is not None:
-            out, lse = with_sinks(out, lse, sinks)
-        ctx.save_for_backward(q, k, v, out, lse, sinks, slopes)
-        ctx.options = options
-        return out, lse
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor) -> tuple[Any, ...]:
-        from qkv.backends.flash import sink_gradient
-
-        q, k, v, out, lse, sinks, slopes = ctx.saved_tensors
-        options: _Options = ctx.options
-        ranges = (options.ranges, q.shape[1])
-        result = kernel.backward(
-            q,
-            k,
-            v,
-            out,
-            grad_out,
-            lse,
-            options.scale,
-            None,
-            ranges=ranges,
-            softcap=options.softcap,
-            slopes=_slopes(slopes),
-            grad_lse=grad_lse,
-        )
-        assert result is not None
-        dq, dk, dv, dslopes = result
-        dsinks = None
-        if sinks is not None and ctx.needs_input_grad[3]:
-            dsinks = sink_gradient(out, lse, grad_out, grad_lse, sinks)
-        if slopes is not None and dslopes is not None:
-            dslopes = dslopes.to(slopes.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, dslopes, None

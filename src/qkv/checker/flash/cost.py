@@ -20,8 +20,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from qkv.checker.flash_context import FlashContext
-from qkv.checker.flash_target import Case, FlashTarget, split_result
+from qkv.checker.flash.context import FlashContext
+from qkv.checker.flash.target import Case, FlashTarget, split_result
 from qkv.checker.report import Result
 
 MEMORY_LENGTHS = (512, 2048)  # L and 4L, past the tile sizes that grow with L up to a cap

@@ -14,8 +14,8 @@ from qkv.canonical import Causal
 from qkv.checker.capture import Capture
 from qkv.checker.compare import difference, tolerance
 from qkv.checker.diagnose import RIGHT, Setting, diagnose
-from qkv.checker.flash_oracle import Expected, expected
-from qkv.checker.flash_target import Case, FlashTarget, Observed
+from qkv.checker.flash.oracle import Expected, expected
+from qkv.checker.flash.target import Case, FlashTarget, Observed
 
 TF32_EPS = 2.0**-10
 MAIN = Case(256, 256)  # a length that tiles of 16, 32, 64, 128 and 256 all divide

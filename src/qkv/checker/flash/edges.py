@@ -9,7 +9,7 @@ import torch
 
 from qkv.canonical import Causal
 from qkv.checker.compare import difference, tolerance
-from qkv.checker.flash_context import (
+from qkv.checker.flash.context import (
     ALIGNMENTS,
     CAUSAL_NOT_JUDGED,
     MAIN,
@@ -17,8 +17,8 @@ from qkv.checker.flash_context import (
     FlashContext,
     causal_argument,
 )
-from qkv.checker.flash_oracle import Expected, explain_lse, explain_output
-from qkv.checker.flash_target import Case, Observed
+from qkv.checker.flash.oracle import Expected, explain_lse, explain_output
+from qkv.checker.flash.target import Case, Observed
 from qkv.checker.report import Result, number, sentence
 
 ODD = ((67, 67), (197, 197), (67, 131), (131, 67), (1, 1))  # multiples of no tile

@@ -9,24 +9,24 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import Any
 
-from qkv.checker import flash_checks, flash_cost, flash_edges
-from qkv.checker.flash_context import ALIGNMENTS, MAIN, FlashContext
-from qkv.checker.flash_target import FlashTarget
+from qkv.checker.flash import checks, cost, edges
+from qkv.checker.flash.context import ALIGNMENTS, MAIN, FlashContext
+from qkv.checker.flash.target import FlashTarget
 from qkv.checker.report import Report, Result
 from qkv.checker.target import error_text
 
 FLASH_CHECKS: tuple[tuple[str, Callable[[FlashContext], Result]], ...] = (
-    ("oracle", flash_checks.oracle),
-    ("lse", flash_checks.lse),
-    ("backward", flash_checks.backward),
-    ("causal", flash_checks.causal),
-    ("alignment", flash_checks.alignment),
-    ("odd-lengths", flash_edges.odd_lengths),
-    ("fully-masked", flash_edges.fully_masked),
-    ("dtypes", flash_edges.dtypes),
-    ("determinism", flash_edges.determinism),
-    ("memory", flash_cost.memory),
-    ("work", flash_cost.work),
+    ("oracle", checks.oracle),
+    ("lse", checks.lse),
+    ("backward", checks.backward),
+    ("causal", checks.causal),
+    ("alignment", checks.alignment),
+    ("odd-lengths", edges.odd_lengths),
+    ("fully-masked", edges.fully_masked),
+    ("dtypes", edges.dtypes),
+    ("determinism", edges.determinism),
+    ("memory", cost.memory),
+    ("work", cost.work),
 )
 
 

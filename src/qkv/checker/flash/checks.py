@@ -1,6 +1,6 @@
 """The ``--flash`` checks of the numbers: oracle, lse, backward, causal, alignment. Each takes the
 shared ``FlashContext`` and returns one ``Result`` with the numbers, naming the mistake when one
-of the usual ones (``flash_oracle``, ``diagnose``) reproduces what the implementation returned.
+of the usual ones (``oracle``, ``diagnose``) reproduces what the implementation returned.
 Legend: B batch, H heads, Lq query length, Lk key length, Dk query/key and Dv value features.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from qkv.checker.compare import difference, tolerance
-from qkv.checker.flash_context import (
+from qkv.checker.flash.context import (
     ALIGNMENT_CASES,
     ALIGNMENTS,
     CAUSAL,
@@ -19,14 +19,14 @@ from qkv.checker.flash_context import (
     FlashContext,
     qkv_diagnosis,
 )
-from qkv.checker.flash_oracle import (
+from qkv.checker.flash.oracle import (
     explain_gradient,
     explain_lse,
     explain_output,
     from_saved,
     without_delta,
 )
-from qkv.checker.flash_target import Case
+from qkv.checker.flash.target import Case
 from qkv.checker.report import Result, number, sentence
 from qkv.checker.target import error_text
 
