@@ -235,7 +235,7 @@ def attention_with_paged_cache(
         for seq, count in before.items():  # undo this call's appends
             if seq in cache and count is None:
                 cache.free(seq)
-            elif seq in cache:
+            elif seq in cache and count is not None:
                 cache.truncate(seq, count)
         raise
     out, lse = result if isinstance(result, tuple) else (result, None)
