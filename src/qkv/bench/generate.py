@@ -149,7 +149,8 @@ def generate_benchmark(
         f"{name} {cache}": attention_per_step(model, ids, name, cache, new_tokens) * 1e3
         for name, cache in runs
     }
-    result = {
+    same = {cache: tokens[f"qkv {cache}"] == tokens[f"sdpa {cache}"] for cache in CACHES}
+    result: dict[str, Any] = {
         "model": {**MODEL, "dtype": "float32"},
         "prompt": prompt,
         "new_tokens": new_tokens,
@@ -158,9 +159,9 @@ def generate_benchmark(
         "ms_per_token": ms,
         "attention_ms_per_token": attention,
         "speedup": {cache: ms[f"sdpa {cache}"] / ms[f"qkv {cache}"] for cache in CACHES},
-        "same_tokens": {c: tokens[f"qkv {c}"] == tokens[f"sdpa {c}"] for c in CACHES},
+        "same_tokens": same,
     }
-    if not all(result["same_tokens"].values()):
+    if not all(same.values()):
         raise RuntimeError(f"qkv and sdpa generated different tokens:\n{format_generate(result)}")
     return result
 
