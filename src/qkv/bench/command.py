@@ -239,6 +239,7 @@ def newer_modes(args: argparse.Namespace, shape: cases.Shape, record: dict[str, 
         print(continuous.format_continuous(record["continuous"]))
     elif args.generate is not None:
         record["generate"] = generate_bench.generate_benchmark(args.generate, repeats=args.repeats)
+        record["generate"]["machine"] = record["machine"]
         print(generate_bench.format_generate(record["generate"]))
     elif args.varlen:
         record["varlen"] = varlen_bench.varlen_benchmark(repeats=args.repeats)
