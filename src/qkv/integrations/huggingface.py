@@ -184,8 +184,9 @@ def attention_forward(
         )
     plain = position_bias is None and kwargs.get("indices") is None
     arguments = _mask_arguments(module, query, key, attention_mask, is_causal, plain)
-    used = arguments.pop("used_keys")  # (a static cache: its valid prefix, a view)
-    key, value = key[..., :used, :], value[..., :used, :]
+    used = arguments.pop("used_keys")
+    if used != key.shape[-2]:  # (a static cache: its valid prefix, a view)
+        key, value = key.narrow(-2, 0, used), value.narrow(-2, 0, used)
     # An additive bias per (head, query, key) joins the mask, which adds -inf where it blocks;
     # so do the keys a sparse-attention indexer selected for each query.
     arguments["mask"] = masks.combine(arguments["mask"], position_bias)

@@ -70,7 +70,8 @@ class Rule:
         }
 
     def dense(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The (B, 1, Lq, Lk) mask this rule means, additive: 0 may attend, -inf blocked."""
+        """The (B, 1, Lq, Lk) mask this rule means, additive (0 may attend, -inf blocked), or
+        for ``dtype`` bool transformers' own form (True = may attend)."""
         keep = torch.ones(self.lq, self.lk, dtype=torch.bool, device=device)
         if self.causal:
             causal = masks.causal_mask(self.lq, self.key_count, device=device)
@@ -89,14 +90,15 @@ class Rule:
             keep = keep & (ids[:, None, :, None] == ids[:, None, None, :])
         if self.keys is not None:
             keep = keep & self.keys.to(device)[:, None, None, :]
-        return masks.as_additive(keep, dtype)
+        return keep if dtype == torch.bool else masks.as_additive(keep, dtype)
 
 
 class RuleMask(torch.Tensor):
     """A mask (B, 1, Lq, Lk) that carries the ``Rule`` it means (``rule``).
 
     Its own values are only the key padding and the valid prefix, broadcast (no (Lq, Lk)
-    memory; for one causal query row without a window they are the mask itself); qkv's
+    memory; for one causal query row without a window they are the mask itself, bool where it
+    was asked for unskippable); qkv's
     attention function reads ``rule`` instead. Any operation on it other than asking its
     shape, dtype or device (or detaching it, or asking for it contiguous: the same mask, as
     transformers' ``generate`` does every step) first turns it into the dense mask of its rule
@@ -121,7 +123,8 @@ class RuleMask(torch.Tensor):
         keys = torch.arange(rule.lk, device=device).expand(rule.batch, -1) < rule.key_count
         if rule.keys is not None:
             keys = keys & rule.keys.to(device)
-        broadcast = masks.as_additive(keys, dtype)[:, None, None, :]
+        values = keys if dtype == torch.bool else masks.as_additive(keys, dtype)
+        broadcast = values[:, None, None, :]
         shape = (rule.batch, 1, rule.lq, rule.lk)
         mask = torch.Tensor._make_subclass(cls, broadcast.expand(shape))
         mask.rule, mask._dense = rule, None
@@ -165,6 +168,9 @@ def rule_mask(kwargs: dict[str, Any]) -> RuleMask | None:
     if rule is None:
         return None
     device = torch.device(kwargs.get("device") or "cpu")
+    skippable = kwargs.get("allow_is_causal_skip" if rule.causal else "allow_is_bidirectional_skip")
+    if not skippable and rule.documents is None:  # (one causal row: the mask itself, exactly)
+        return RuleMask(rule, torch.bool, device)
     return RuleMask(rule, kwargs.get("dtype") or torch.float32, device)
 
 
@@ -179,7 +185,9 @@ def rule_of(kwargs: dict[str, Any]) -> Rule | None:
     causal mask (``_used_keys``). A request that may not be skipped
     (``allow_is_causal_skip`` / ``allow_is_bidirectional_skip`` False, outside packing) is
     one whose caller wants the mask itself: it is built, unless it is one causal query row
-    without a window, whose ``RuleMask`` holds the mask's own values.
+    without a window (as transformers asks for a static cache's decoding step): then the
+    ``RuleMask`` is that very mask, bool (True = may attend) as transformers builds it, in its
+    own values and in any operation on it.
     """
     numbers = _integers(
         kwargs, q_length=None, kv_length=None, batch_size=None, q_offset=0, kv_offset=0
