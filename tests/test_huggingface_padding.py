@@ -97,7 +97,7 @@ def test_a_mask_qkv_did_not_describe_means_what_it_means_to_eager(is_causal: boo
     torch.testing.assert_close(out, qkv.attention(q, k, v, mask=padding).transpose(1, 2))
 
 
-def test_a_static_caches_prefill_keeps_its_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_static_caches_prefill_reads_its_valid_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
     _, ours = model_pair("llama")
     input_ids, attention_mask = padded_batch()
     calls = spy(monkeypatch)
@@ -108,5 +108,6 @@ def test_a_static_caches_prefill_keeps_its_mask(monkeypatch: pytest.MonkeyPatch)
         do_sample=False,
         cache_implementation="static",
     )
+    # The cache's valid prefix: the 9 prompt keys under the causal rule, with the padding.
     prefill = calls[0]["mask"]
-    assert prefill.shape[:3] == (3, 1, 9) and prefill.shape[-1] > 9
+    assert prefill.shape == (3, 1, 1, 9) and calls[0]["causal"] is True

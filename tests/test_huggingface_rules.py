@@ -95,6 +95,8 @@ def both(
 
 def keep(mask: Any) -> torch.Tensor:
     """True = may attend, from qkv's mask function's answer."""
+    if isinstance(mask, mask_rules.RuleMask) and mask.dtype == torch.bool:
+        return mask.materialize()
     if isinstance(mask, mask_rules.RuleMask):
         return mask.materialize() == 0
     assert isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
@@ -128,16 +130,45 @@ def test_sequences_packed_by_position_ids_are_documents(builder: str) -> None:
     assert torch.equal(keep(ours), dense)
 
 
+@pytest.mark.parametrize("length", [1, 5])
+@pytest.mark.parametrize("side", ["none", "left", "right"])
+@pytest.mark.parametrize("past", [3, 7])
+def test_a_static_caches_mask_is_the_causal_rule_over_its_valid_prefix(
+    past: int, side: str, length: int
+) -> None:
+    """A static cache of 16 keys holding ``past``: its keys past the last query are blocked for
+    every query, the causal rule holds over the first past + L; one query row's ``RuleMask``
+    holds the mask's own values (transformers asks for it unskippable then)."""
+    embeds = torch.zeros(2, length, 16)
+    ours, dense = both(
+        "causal",
+        inputs_embeds=embeds,
+        attention_mask=padding(side, past, length),
+        past=past,
+        cache_kind="static",
+    )
+    assert isinstance(ours, mask_rules.RuleMask)
+    assert ours.rule.used == past + length and ours.rule.lk == 16
+    assert ours.shape == dense.shape
+    assert torch.equal(keep(ours), dense)
+    if length == 1:  # (asked for unskippable: the very mask, as transformers builds it)
+        assert ours.dtype == torch.bool
+        assert torch.equal(~ours, ~dense) and type(~ours) is torch.Tensor
+        with torch._C.DisableTorchFunctionSubclass():
+            assert torch.equal(ours, dense)
+
+
 @pytest.mark.parametrize(
-    "request_kind", ["static cache", "or overlay", "and overlay", "blocks", "materialised"]
+    "request_kind", ["static and overlay", "or overlay", "and overlay", "blocks", "materialised"]
 )
 def test_masks_that_are_no_rule_of_qkvs_are_built(request_kind: str) -> None:
-    """A static cache's keys run past its queries; overlays, prefix-LM blocks and a caller that
-    asks for the mask itself are transformers' dense mask, exactly."""
+    """Overlays (also one that makes a hole in a static cache's mask), prefix-LM blocks and a
+    caller that asks for the mask itself are transformers' dense mask, exactly."""
     embeds = torch.zeros(2, 5, 16)
     request: dict[str, Any] = dict(inputs_embeds=embeds, attention_mask=padding("left", 0, 5))
-    if request_kind == "static cache":
+    if request_kind == "static and overlay":
         request.update(past=3, cache_kind="static", attention_mask=None)
+        request["and_mask_function"] = lambda b, h, q, kv: kv != 1
     elif request_kind == "or overlay":
         request["or_mask_function"] = lambda b, h, q, kv: kv == 0
     elif request_kind == "and overlay":
@@ -149,6 +180,41 @@ def test_masks_that_are_no_rule_of_qkvs_are_built(request_kind: str) -> None:
     ours, dense = both("causal", **request)
     assert not isinstance(ours, mask_rules.RuleMask)
     assert torch.equal(keep(ours), dense)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["kv_offset", "float offset", "sliding window", "past the cache", "offset per row", "none"],
+)
+def test_a_static_prefix_needs_transformers_plain_causal_request(change: str) -> None:
+    """Requests like a static cache's that mean another mask are no rule: keys offset, a
+    window (which a prefix does not express), queries past the cache, an offset that is not
+    one integer."""
+    request: dict[str, Any] = dict(
+        batch_size=1,
+        q_length=1,
+        kv_length=16,
+        q_offset=torch.tensor(6),
+        kv_offset=0,
+        mask_function=masking_utils.causal_mask_function,
+        attention_mask=None,
+        allow_is_causal_skip=False,
+    )
+    if change == "kv_offset":
+        request["kv_offset"] = 2
+    elif change == "float offset":
+        request["q_offset"] = torch.tensor(6.0)
+    elif change == "sliding window":
+        request["mask_function"] = masking_utils.sliding_window_causal_mask_function(4)
+    elif change == "past the cache":
+        request["q_offset"] = torch.tensor(16)
+    elif change == "offset per row":
+        request["q_offset"] = torch.tensor([6, 6])
+    rule = mask_rules.rule_of(request)
+    if change == "none":
+        assert rule is not None and rule.used == 7 and rule.causal and rule.window is None
+        return
+    assert rule is None
 
 
 def rule_mask(lq: int = 3, lk: int = 5) -> mask_rules.RuleMask:

@@ -1,5 +1,6 @@
-"""qkv.PagedKVCache and attention read from its pages: allocation, block tables, freeing and an
-exhausted pool; paged attention equals the same call on contiguous keys (kernel and loop), and
+"""qkv.PagedKVCache and attention read from its pages: allocation, block tables, freeing,
+truncating (to 0 too) and an exhausted pool, also as a stateful property against a plain
+model; paged attention equals the same call on contiguous keys (kernel and loop), and
 attention_with_cache on a paged cache equals a KVCache per sequence."""
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from oracle import TOLERANCE
 from varlen_oracle import batch, cumulative, oracle
 
@@ -220,3 +224,99 @@ def test_the_paged_benchmark_runs_and_agrees() -> None:
     assert cache.pages_of(0) == [0, 3, 6]  # the sequences took pages in turn
     result = bench.paged_benchmark(sequences=3, length=40, heads=4, kv_heads=2, dim=8, repeats=1)
     assert result["max_abs_difference"] < 1e-5 and result["paged_over_contiguous"] > 0
+
+
+def test_a_sequence_truncated_to_zero_stays_until_freed() -> None:
+    cache = qkv.PagedKVCache(4, 4, 1, 2)
+    cache.append("r", torch.ones(6, 1, 2), torch.ones(6, 1, 2))
+    cache.truncate("r", 0)  # every token rolled back: the request goes on
+    assert "r" in cache and cache.length("r") == 0 and cache.pages_of("r") == []
+    assert cache.free_pages == 4 and cache.lengths(["r"]).tolist() == [0]
+    assert cache.block_table(["r"]).shape == (1, 0)
+    cache.append("r", torch.full((5, 1, 2), 2.0), torch.full((5, 1, 2), 3.0))
+    assert cache.length("r") == 5 and cache.free_pages == 2
+    page = cache.pages_of("r")[1]
+    assert torch.equal(cache.keys[page, 0], torch.full((1, 2), 2.0))
+    cache.free("r")
+    assert "r" not in cache and cache.free_pages == 4
+
+
+class PagedCacheAgainstAList(RuleBasedStateMachine):
+    """append / truncate / free / reset on a small pool against a plain model: each sequence a
+    list of token values; pages in use are its ceil(length / page_size)."""
+
+    PAGES, PAGE = 6, 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache = qkv.PagedKVCache(self.PAGES, self.PAGE, 1, 2, value_dim=1)
+        self.model: dict[str, list[float]] = {}
+        self.next_value = 0.0
+
+    @rule(seq=st.sampled_from("abc"), count=st.integers(0, 7))
+    def append(self, seq: str, count: int) -> None:
+        values = [self.next_value + i for i in range(count)]
+        self.next_value += count
+        k = torch.tensor(values).view(count, 1, 1).expand(count, 1, 2).contiguous()
+        v = -torch.tensor(values).view(count, 1, 1)
+        tokens = self.model.get(seq, [])
+        needed = -(-(len(tokens) + count) // self.PAGE) + len(tokens) // -self.PAGE
+        if needed > self.pages_left():
+            with pytest.raises(PoolExhausted):
+                self.cache.append(seq, k, v)
+            return
+        self.cache.append(seq, k, v)
+        self.model[seq] = tokens + values
+
+    @rule(seq=st.sampled_from("abc"), data=st.data())
+    def truncate(self, seq: str, data: st.DataObject) -> None:
+        if seq not in self.model:
+            with pytest.raises(KeyError):
+                self.cache.truncate(seq, 0)
+            return
+        length = data.draw(st.integers(0, len(self.model[seq])))
+        self.cache.truncate(seq, length)
+        del self.model[seq][length:]
+
+    @rule(seq=st.sampled_from("abc"))
+    def free(self, seq: str) -> None:
+        if seq not in self.model:
+            with pytest.raises(KeyError):
+                self.cache.free(seq)
+            return
+        self.cache.free(seq)
+        del self.model[seq]
+
+    @rule()
+    def reset(self) -> None:
+        self.cache.reset()
+        self.model.clear()
+
+    def pages_left(self) -> int:
+        in_use = sum(-(-len(tokens) // self.PAGE) for tokens in self.model.values())
+        return self.PAGES - in_use
+
+    @invariant()
+    def the_cache_holds_what_the_model_holds(self) -> None:
+        assert sorted(self.cache.sequences) == sorted(self.model)
+        assert self.cache.free_pages == self.pages_left()
+        owned = [page for seq in self.model for page in self.cache.pages_of(seq)]
+        assert len(owned) == len(set(owned)) == self.PAGES - self.pages_left()
+        for seq, tokens in self.model.items():
+            assert self.cache.length(seq) == len(tokens)
+            assert len(self.cache.pages_of(seq)) == -(-len(tokens) // self.PAGE)
+            if not tokens:
+                continue
+            row = self.cache.block_table([seq])[0].long()
+            read = self.cache.keys[row].flatten(0, 1)[: len(tokens), 0]  # (length, 2)
+            want = torch.tensor(tokens)
+            assert torch.equal(read, want[:, None].expand(-1, 2))
+            assert torch.equal(self.cache.values[row].flatten(0, 1)[: len(tokens), 0, 0], -want)
+        lengths = self.cache.lengths(list(self.model)).tolist()
+        assert lengths == [len(tokens) for tokens in self.model.values()]
+
+
+PagedCacheAgainstAList.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=25, deadline=None
+)
+test_the_paged_cache_against_a_plain_model = PagedCacheAgainstAList.TestCase

@@ -122,16 +122,15 @@ class PagedKVCache:
 
     def truncate(self, seq: Hashable, length: int) -> None:
         """Keep only the first ``length`` tokens of ``seq`` (its later pages return to the
-        pool); length 0 forgets it."""
+        pool). The sequence stays, also at length 0 (every page returned): ``append``
+        continues it and ``free`` forgets it, as for a request whose tokens were all rolled
+        back."""
         _checks.non_negative_int("length", length)
         if length > self.length(seq):
             raise ValueError(f"length must be <= {self.length(seq)} (seq {seq!r}), got {length}")
-        if length == 0:
-            return self.free(seq)
         keep = -(-length // self.page_size)
         self._free.extend(reversed(self._pages[seq][keep:]))
         self._pages[seq], self._lengths[seq] = self._pages[seq][:keep], length
-        return None
 
     def reset(self) -> None:
         """Forget every sequence."""
@@ -212,7 +211,7 @@ def attention_with_paged_cache(
     if len(seqs) != b or len(set(seqs)) != b:
         raise ValueError(f"sequences must name the B = {b} batch entries once each, got {seqs!r}")
     keywords = _varlen_options(options)
-    before = {seq: cache.length(seq) if seq in cache else 0 for seq in seqs}
+    before = {seq: cache.length(seq) if seq in cache else None for seq in seqs}
     try:
         for index, seq in enumerate(seqs):
             cache.append(seq, k_new[index].transpose(0, 1), v_new[index].transpose(0, 1))
@@ -234,7 +233,9 @@ def attention_with_paged_cache(
         )
     except Exception:
         for seq, count in before.items():  # undo this call's appends
-            if seq in cache:
+            if seq in cache and count is None:
+                cache.free(seq)
+            elif seq in cache and count is not None:
                 cache.truncate(seq, count)
         raise
     out, lse = result if isinstance(result, tuple) else (result, None)

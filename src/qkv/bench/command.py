@@ -11,6 +11,7 @@
     qkv bench --isa avx2                        # flash's AVX2 build, torch held to AVX2 too
     qkv bench --compile                         # a GPT-style training step under torch.compile
     qkv bench --continuous                      # transformers' generate_batch: qkv vs sdpa
+    qkv bench --generate                        # transformers' generate per token: qkv vs sdpa
     qkv bench --varlen                          # a packed varlen batch vs padding it
     qkv bench --paged                           # decoding against a paged vs a contiguous cache
     qkv bench --mods 4096                       # score_mod / mask_mod: skipping, compile, memory
@@ -33,6 +34,7 @@ import torch
 from qkv.backends.flash import kernel
 from qkv.bench import arguments, auto, cases, continuous, decode, isa, memory, report, runs, timing
 from qkv.bench import compile as compiled
+from qkv.bench import generate as generate_bench
 from qkv.bench import mods as mods_bench
 from qkv.bench import paged as paged_bench
 from qkv.bench import varlen as varlen_bench
@@ -159,6 +161,16 @@ def configure_newer_modes(parser: argparse.ArgumentParser) -> None:
         '512 tokens, 32 new tokens each) on attn_implementation="qkv" against "sdpa"',
     )
     add(
+        "--generate",
+        type=positive,
+        nargs="?",
+        const=8192,
+        default=None,
+        metavar="PROMPT",
+        help="only: greedy generate after a PROMPT-token prompt (default 8192), ms per token, "
+        'attn_implementation="qkv" against "sdpa", with the dynamic and the static cache',
+    )
+    add(
         "--varlen",
         action="store_true",
         help="only: 16 sequences of 64 to 4,096 tokens (causal, float32) in one qkv.varlen_attn "
@@ -250,6 +262,10 @@ def newer_modes(args: argparse.Namespace, shape: cases.Shape, record: dict[str, 
             args.continuous, repeats=args.repeats
         )
         print(continuous.format_continuous(record["continuous"]))
+    elif args.generate is not None:
+        record["generate"] = generate_bench.generate_benchmark(args.generate, repeats=args.repeats)
+        record["generate"]["machine"] = record["machine"]
+        print(generate_bench.format_generate(record["generate"]))
     elif args.varlen:
         record["varlen"] = varlen_bench.varlen_benchmark(repeats=args.repeats)
         print(varlen_bench.format_varlen(record["varlen"]))

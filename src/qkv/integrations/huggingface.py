@@ -17,10 +17,11 @@
 The mask transformers would build is the truth. Where a request to the mask function is a rule
 qkv's arguments mean exactly (causal, a sliding window, bidirectional, key padding, sequences
 packed by position ids: ``qkv.integrations.mask_rules``, read from the mask function transformers
-hands over, per request), no (Lq, Lk) mask is built and the rule runs as arguments; anything else
-is built as transformers builds it for torch's kernel (bool, True = may attend: qkv's own
-convention). Nothing is taken from a layer's attributes: a model that passes no mask gets its
-layer's causal rule, as in transformers' sdpa path.
+hands over, per request; with a static cache, the causal rule over its valid prefix, of which
+alone the kernel is handed a view), no (Lq, Lk) mask is built and the rule runs as arguments;
+anything else is built as transformers builds it for torch's kernel (bool, True = may attend:
+qkv's own convention). Nothing is taken from a layer's attributes: a model that passes no mask
+gets its layer's causal rule, as in transformers' sdpa path.
 
 With transformers' continuous batching (``model.generate_batch``, ``init_continuous_batching``:
 a ``PagedAttentionCache``) each step is one packed row of requests, attended by
@@ -181,7 +182,11 @@ def attention_forward(
             position_bias=position_bias,
             **kwargs,
         )
-    arguments = _mask_arguments(module, query, key, attention_mask, is_causal)
+    plain = position_bias is None and kwargs.get("indices") is None
+    arguments = _mask_arguments(module, query, key, attention_mask, is_causal, plain)
+    used = arguments.pop("used_keys")
+    if used != key.shape[-2]:  # (a static cache: its valid prefix, a view)
+        key, value = key.narrow(-2, 0, used), value.narrow(-2, 0, used)
     # An additive bias per (head, query, key) joins the mask, which adds -inf where it blocks;
     # so do the keys a sparse-attention indexer selected for each query.
     arguments["mask"] = masks.combine(arguments["mask"], position_bias)
@@ -228,17 +233,23 @@ def _mask_arguments(
     key: torch.Tensor,
     attention_mask: torch.Tensor | None,
     is_causal: bool | None,
+    plain: bool = True,
 ) -> dict[str, Any]:
-    """``qkv.attention``'s mask, causal rule, window and segments for one layer's call."""
+    """``qkv.attention``'s mask, causal rule, window and segments for one layer's call, and
+    ``used_keys``: how many of the keys it reads (a rule's ``key_count``: a static cache's
+    valid prefix, where nothing else of the call (``plain`` False: a bias or chosen keys per
+    key) spans the whole cache; else all)."""
+    lk = key.shape[-2]
     if isinstance(attention_mask, mask_rules.RuleMask):
         rule = attention_mask.rule
-        if (rule.lq, rule.lk) == (query.shape[-2], key.shape[-2]) and rule.batch == query.shape[0]:
-            return rule.arguments()
+        fits = (rule.lq, rule.lk, rule.batch) == (query.shape[-2], lk, query.shape[0])
+        if fits and (plain or rule.used is None):
+            return {**rule.arguments(), "used_keys": rule.key_count}
         attention_mask = attention_mask.materialize()  # (sizes of another layer: as eager)
     if attention_mask is not None:
-        return {"mask": attention_mask, "causal": False}
+        return {"mask": attention_mask, "causal": False, "used_keys": lk}
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
-    return {"mask": None, "causal": bool(causal)}
+    return {"mask": None, "causal": bool(causal), "used_keys": lk}
 
 
 def _selected_keys(module: torch.nn.Module, kwargs: dict[str, Any], lk: int) -> Any:

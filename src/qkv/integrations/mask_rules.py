@@ -8,8 +8,10 @@ block. So for each request:
 
 1. ``rule_of`` inspects the mask function (it is never evaluated) and the request's sizes and
    offsets, and returns the ``Rule`` that means exactly that mask, or None where it is anything
-   else (overlays, chunks, prefix-LM blocks, a static cache's offsets, ...): then the dense mask
-   is built as usual.
+   else (overlays, chunks, prefix-LM blocks, ...): then the dense mask is built as usual.
+   A static cache hands the attention its whole preallocated length with a causal mask whose
+   keys past the last query are blocked for every query: that is the causal rule over the
+   first ``used`` keys (the valid prefix), and the attention function reads only those.
 2. The mask function returns a ``RuleMask``: a tensor of the mask's shape (B, 1, Lq, Lk) that
    carries the ``Rule``. Handed to qkv's attention function unchanged, the rule runs as
    arguments (``Rule.arguments``). Touched by any operation on the way (a model that slices,
@@ -38,7 +40,9 @@ from qkv import _tracing, masks
 class Rule:
     """A mask as qkv's arguments: ``causal`` (bottom-right), ``window`` (left, right) or None,
     ``documents`` (B, L) ids of packed sequences or None, ``keys`` (B, Lk) bool key padding
-    (True = a real key) or None; for ``lq`` queries and ``lk`` keys, ``batch`` rows."""
+    (True = a real key) or None; for ``lq`` queries and ``lk`` keys, ``batch`` rows. ``used``
+    (a static cache's valid prefix): only the first ``used`` keys may be attended, the rule
+    applying to them as if they were all the keys; None: all ``lk``."""
 
     causal: bool
     window: tuple[int | None, int | None] | None
@@ -47,10 +51,17 @@ class Rule:
     batch: int
     lq: int
     lk: int
+    used: int | None = None
+
+    @property
+    def key_count(self) -> int:
+        """The keys the rule may attend: the first ``used``, else all ``lk``."""
+        return self.lk if self.used is None else self.used
 
     def arguments(self) -> dict[str, Any]:
-        """The keyword arguments of ``qkv.attention`` that mean this mask."""
-        padding = None if self.keys is None else self.keys[:, None, None, :]  # (B, 1, 1, Lk)
+        """The keyword arguments of ``qkv.attention`` that mean this mask, for the first
+        ``key_count`` keys (the others are never attended)."""
+        padding = None if self.keys is None else self.keys[:, None, None, : self.key_count]
         return {
             "mask": padding,
             "causal": self.causal,
@@ -59,10 +70,12 @@ class Rule:
         }
 
     def dense(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The (B, 1, Lq, Lk) mask this rule means, additive: 0 may attend, -inf blocked."""
+        """The (B, 1, Lq, Lk) mask this rule means, additive (0 may attend, -inf blocked), or
+        for ``dtype`` bool transformers' own form (True = may attend)."""
         keep = torch.ones(self.lq, self.lk, dtype=torch.bool, device=device)
         if self.causal:
-            keep = keep & masks.causal_mask(self.lq, self.lk, device=device)
+            causal = masks.causal_mask(self.lq, self.key_count, device=device)
+            keep = keep & torch.nn.functional.pad(causal, (0, self.lk - self.key_count))
         if self.window is not None:
             upper, lower = masks.window_offsets(self.window, self.lq, self.lk)
             rows = torch.arange(self.lq, device=device)[:, None]
@@ -77,16 +90,19 @@ class Rule:
             keep = keep & (ids[:, None, :, None] == ids[:, None, None, :])
         if self.keys is not None:
             keep = keep & self.keys.to(device)[:, None, None, :]
-        return masks.as_additive(keep, dtype)
+        return keep if dtype == torch.bool else masks.as_additive(keep, dtype)
 
 
 class RuleMask(torch.Tensor):
     """A mask (B, 1, Lq, Lk) that carries the ``Rule`` it means (``rule``).
 
-    Its own values are only the key padding, broadcast (no (Lq, Lk) memory); qkv's attention
-    function reads ``rule`` instead. Any operation on it other than asking its shape, dtype or
-    device (or detaching it) first turns it into the dense mask of its rule (made once, then
-    kept).
+    Its own values are only the key padding and the valid prefix, broadcast (no (Lq, Lk)
+    memory; for one causal query row without a window they are the mask itself, bool where it
+    was asked for unskippable); qkv's
+    attention function reads ``rule`` instead. Any operation on it other than asking its
+    shape, dtype or device (or detaching it, or asking for it contiguous: the same mask, as
+    transformers' ``generate`` does every step) first turns it into the dense mask of its rule
+    (made once, then kept).
     """
 
     rule: Rule
@@ -104,10 +120,11 @@ class RuleMask(torch.Tensor):
 
     @staticmethod
     def __new__(cls, rule: Rule, dtype: torch.dtype, device: torch.device) -> RuleMask:
-        keys = torch.ones(rule.batch, rule.lk, dtype=torch.bool, device=device)
+        keys = torch.arange(rule.lk, device=device).expand(rule.batch, -1) < rule.key_count
         if rule.keys is not None:
-            keys = rule.keys.to(device)
-        broadcast = masks.as_additive(keys, dtype)[:, None, None, :]
+            keys = keys & rule.keys.to(device)
+        values = keys if dtype == torch.bool else masks.as_additive(keys, dtype)
+        broadcast = values[:, None, None, :]
         shape = (rule.batch, 1, rule.lq, rule.lk)
         mask = torch.Tensor._make_subclass(cls, broadcast.expand(shape))
         mask.rule, mask._dense = rule, None
@@ -132,6 +149,8 @@ class RuleMask(torch.Tensor):
         kwargs = kwargs or {}
         if func is torch.Tensor.detach:  # (a mask has no gradient: detaching changes nothing)
             return args[0]
+        if func is torch.Tensor.contiguous and len(args) == 1 and not kwargs:
+            return args[0]  # (the same mask: its dense form is made contiguous when made)
         if func in cls._METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
@@ -149,6 +168,9 @@ def rule_mask(kwargs: dict[str, Any]) -> RuleMask | None:
     if rule is None:
         return None
     device = torch.device(kwargs.get("device") or "cpu")
+    skippable = kwargs.get("allow_is_causal_skip" if rule.causal else "allow_is_bidirectional_skip")
+    if not skippable and rule.documents is None:  # (one causal row: the mask itself, exactly)
+        return RuleMask(rule, torch.bool, device)
     return RuleMask(rule, kwargs.get("dtype") or torch.float32, device)
 
 
@@ -158,17 +180,20 @@ def rule_of(kwargs: dict[str, Any]) -> Rule | None:
     Recognised: transformers' causal, sliding-window causal, bidirectional and bidirectional
     sliding-window mask functions, the first two also as ``create_causal_mask`` composes them
     for sequences packed by position ids; with a 2-D padding mask or none. Positions must line
-    up as qkv's bottom-right alignment lines them up (the queries are the last of the keys;
-    not a static cache, whose keys run past the queries), except for plain bidirectional
-    masks, which positions do not change. A request that may not be skipped
+    up as qkv's bottom-right alignment lines them up (the queries are the last of the keys),
+    except for plain bidirectional masks, which positions do not change, and a static cache's
+    causal mask (``_used_keys``). A request that may not be skipped
     (``allow_is_causal_skip`` / ``allow_is_bidirectional_skip`` False, outside packing) is
-    one whose caller wants the mask itself: it is built.
+    one whose caller wants the mask itself: it is built, unless it is one causal query row
+    without a window (as transformers asks for a static cache's decoding step): then the
+    ``RuleMask`` is that very mask, bool (True = may attend) as transformers builds it, in its
+    own values and in any operation on it.
     """
     numbers = _integers(
         kwargs, q_length=None, kv_length=None, batch_size=None, q_offset=0, kv_offset=0
     )
     if numbers is None:
-        return None  # (a tensor offset: a static cache's position)
+        return None
     lq, lk, batch, q_offset, kv_offset = numbers
     function, documents = _unpacked(kwargs.get("mask_function"), lq, lk)
     shape = _shape(function)
@@ -176,15 +201,39 @@ def rule_of(kwargs: dict[str, Any]) -> Rule | None:
         return None
     causal, window = shape
     skippable = kwargs.get("allow_is_causal_skip" if causal else "allow_is_bidirectional_skip")
-    if documents is None and not skippable:
+    exact_row = causal and window is None and lq == 1
+    if documents is None and not skippable and not exact_row:
         return None
+    used = None
     if (causal or window is not None) and q_offset + lq != kv_offset + lk:
-        return None  # (not the last queries of the keys)
-    keys = _keys(kwargs.get("attention_mask"), lk, kv_offset, batch)
+        used = _used_keys(causal, window, documents, lq, lk, q_offset, kv_offset)
+        if used is None:
+            return None  # (not the last queries of the keys)
+    keys = _keys(kwargs.get("attention_mask"), lk, kv_offset, batch, used)
     if keys is False or (documents is not None and documents.shape[0] != batch):
         return None
     padding = keys if isinstance(keys, torch.Tensor) else None
-    return Rule(causal, window, documents, padding, batch, lq, lk)
+    return Rule(causal, window, documents, padding, batch, lq, lk, used)
+
+
+def _used_keys(
+    causal: bool,
+    window: tuple[int | None, int | None] | None,
+    documents: torch.Tensor | None,
+    lq: int,
+    lk: int,
+    q_offset: int,
+    kv_offset: int,
+) -> int | None:
+    """The valid prefix n of a static cache's causal request, or None.
+
+    transformers' causal mask function keeps key j for query i where kv_offset + j <= q_offset
+    + i. With kv_offset 0 and n = q_offset + lq < lk, that is j <= i + n - lq, the bottom-right
+    causal rule over the first n keys, and keys n … lk − 1 are blocked for every query (they
+    lie past the last query's position). Only the plain causal rule (no window, no packing)."""
+    used = q_offset + lq
+    plain = causal and window is None and documents is None
+    return used if plain and kv_offset == 0 and q_offset >= 0 and used < lk else None
 
 
 def _shape(function: Any) -> tuple[bool, tuple[int | None, int | None] | None] | None:
@@ -230,10 +279,13 @@ def _unpacked(function: Any, lq: int, lk: int) -> tuple[Any, torch.Tensor | None
     return inner, ids
 
 
-def _keys(padding: Any, lk: int, kv_offset: int, batch: int) -> torch.Tensor | bool | None:
+def _keys(
+    padding: Any, lk: int, kv_offset: int, batch: int, used: int | None = None
+) -> torch.Tensor | bool | None:
     """(B, Lk) bool: which keys are real, from a request's 2-D padding mask (as transformers'
     ``prepare_padding_mask`` reads it: short masks padded with False); None without padding
-    or where every key is real; False where the padding is not a 2-D mask qkv can read."""
+    or where every key (of the first ``used``, if given) is real; False where the padding is
+    not a 2-D mask qkv can read."""
     if padding is None:
         return None
     if not isinstance(padding, torch.Tensor) or padding.ndim != 2:
@@ -247,14 +299,24 @@ def _keys(padding: Any, lk: int, kv_offset: int, batch: int) -> torch.Tensor | b
     keys = padded[:, kv_offset : kv_offset + lk].expand(batch, lk)
     if _tracing.traced(keys):  # (a graph cannot hold a decision on the mask's values)
         return keys
-    return None if bool(keys.all()) else keys
+    return None if bool(keys[:, :used].all()) else keys
 
 
 def _integers(kwargs: dict[str, Any], **defaults: int | None) -> list[int] | None:
-    """The request's values of ``defaults``' names (or the default), if all are ints."""
+    """The request's values of ``defaults``' names (or the default), if all are ints or
+    untraced integer scalar tensors (a static cache's query offset, read as its value)."""
     values = [kwargs.get(name, default) for name, default in defaults.items()]
-    integers = [value for value in values if isinstance(value, int)]
-    return integers if len(integers) == len(values) else None
+    integers = [_integer(value) for value in values]
+    return None if None in integers else integers  # type: ignore[return-value]
+
+
+def _integer(value: Any) -> int | None:
+    if isinstance(value, torch.Tensor):
+        integral = value.numel() == 1 and not value.is_floating_point() and not value.is_complex()
+        if not integral or value.dtype == torch.bool or _tracing.traced(value):
+            return None
+        return int(value.item())
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _positive(value: Any) -> TypeGuard[int]:
