@@ -75,36 +75,6 @@ inline Vec dot_lanes(const float* q, const T* key, int64_t D) {
   return acc;
 }
 
-// The scores of n query rows (n rows of D in q) against one key (D values): written to s[0],
-// s[stride], …; four rows at a time, each key vector loaded once for the four.
-template <typename T>
-inline void group_scores(const float* q, const T* key, int64_t n, int64_t D, float* s,
-                         int64_t stride) {
-  int64_t h = 0;
-  for (; h + 4 <= n; h += 4) {
-    const float* q0 = q + h * D;
-    Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
-    int64_t d = 0;
-    for (; d + kLanes <= D; d += kLanes) {
-      const Vec k = load_float(key + d);
-      a0 = at::vec::fmadd(Vec::loadu(q0 + d), k, a0);
-      a1 = at::vec::fmadd(Vec::loadu(q0 + D + d), k, a1);
-      a2 = at::vec::fmadd(Vec::loadu(q0 + 2 * D + d), k, a2);
-      a3 = at::vec::fmadd(Vec::loadu(q0 + 3 * D + d), k, a3);
-    }
-    if (d < D) {
-      const Vec k = load_float(key + d, D - d);
-      a0 = at::vec::fmadd(Vec::loadu(q0 + d, D - d), k, a0);
-      a1 = at::vec::fmadd(Vec::loadu(q0 + D + d, D - d), k, a1);
-      a2 = at::vec::fmadd(Vec::loadu(q0 + 2 * D + d, D - d), k, a2);
-      a3 = at::vec::fmadd(Vec::loadu(q0 + 3 * D + d, D - d), k, a3);
-    }
-    s[h * stride] = sum_lanes(a0), s[(h + 1) * stride] = sum_lanes(a1);
-    s[(h + 2) * stride] = sum_lanes(a2), s[(h + 3) * stride] = sum_lanes(a3);
-  }
-  for (; h < n; ++h) s[h * stride] = sum_lanes(dot_lanes(q + h * D, key, D));
-}
-
 // acc[r][e0 … e0 + width) += Σ_{j < n} p[r · p_stride + j] · v_j[e0 …] for NR rows (acc rows
 // acc_stride apart), v_j at v[j] + offset; width ≤ 4 vectors, held in registers over the keys.
 template <typename T, int NR>
@@ -260,9 +230,8 @@ inline void prefetch(const T* x, int64_t n) {
   for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(bytes + b, 0, 2);
 }
 
-// The scores of two keys against n query rows (as group_scores, s[h · stride] and s[h · stride
-// + 1]): four rows at a time, each query vector loaded once for both keys. Each score's sum runs
-// in the same order as group_scores' (so either gives the same bits).
+// The scores of two keys against n query rows (n rows of D in q), written to s[h · stride] and
+// s[h · stride + 1]: four rows at a time, each key and query vector loaded once for the eight.
 template <typename T>
 inline void pair_scores(const float* q, const T* key0, const T* key1, int64_t n, int64_t D,
                         float* s, int64_t stride) {
@@ -308,11 +277,9 @@ void run_chunk(const L& lay, const Item& item, Rows& w, const ChunkRows<T>& now,
       const int64_t row = (kv - item.kv0) * per_kv;
       float* s = w.s.data() + row * kChunk + i;
       const T* key = now.k[i] + kv * lay.k_head;
-      if (i + 1 < now.n)
-        pair_scores(w.q.data() + row * lay.D, key, now.k[i + 1] + kv * lay.k_head, per_kv, lay.D,
-                    s, kChunk);
-      else
-        group_scores(w.q.data() + row * lay.D, key, per_kv, lay.D, s, kChunk);
+      // (a lone last key is paired with itself: its twin lands in a column past the chunk's keys)
+      const T* twin = i + 1 < now.n ? now.k[i + 1] + kv * lay.k_head : key;
+      pair_scores(w.q.data() + row * lay.D, key, twin, per_kv, lay.D, s, kChunk);
     }
   for (int64_t r = 0; r < R; ++r) softmax_step(lay, w, r, now.c0, now.n);
   for (int64_t kv = item.kv0; kv < item.kv1; ++kv) {

@@ -333,7 +333,7 @@ def forward(
     kernel = load()  # built and cached by takes
     assert kernel is not None
     rules = _rule_arguments(causal_offset, window_offset, ranges, softcap, slopes)
-    if q.shape[-2] < DECODE_QUERIES:  # one row at a time, K/V read where they lie
+    if q.shape[-2] < DECODE_QUERIES:  # the decoding core: K/V read once, where they lie
         if q.dtype != torch.float16 and q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
             out, lse = kernel.decode(q, k, v, scale, *rules, DECODE_SPLITS)
             return out, lse  # the common case: (*B, Hq, Lq, Dv), (*B, Hq, Lq) as they come

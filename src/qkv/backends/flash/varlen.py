@@ -91,9 +91,7 @@ def decoding(
     and every sequence has fewer than ``kernel.DECODE_QUERIES`` query tokens (decoding, mixed
     with a few speculative tokens; a longer prompt takes the block kernel)."""
     tensors = (query, key, value, rules.alibi_slopes, rules.sinks)
-    wants_grad = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in tensors
-    )
+    wants_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
     return (
         not wants_grad
         and query.dtype in (torch.float32, torch.bfloat16)
