@@ -4,7 +4,7 @@
     qkv bench --lengths 1024,4096 --dtypes float32 --passes forward --levels functional
     qkv bench --quick                           # a small subset in about a minute
     qkv bench --json out.json --plot out.png    # record the results
-    qkv bench --decode                          # KV-cache decoding vs recomputing the prefix
+    qkv bench --decode                          # decoding's GB/s vs memory's; KV cache vs recompute
     qkv bench --memory-check                    # peak memory of a T = 32768 causal step
     qkv bench --auto                            # the calls that decide what "auto" picks
     qkv bench --arguments 4096                  # sinks, softcap, ALiBi, windows, documents
@@ -38,6 +38,7 @@ from qkv.bench import generate as generate_bench
 from qkv.bench import mods as mods_bench
 from qkv.bench import paged as paged_bench
 from qkv.bench import varlen as varlen_bench
+from qkv.bench import wall as wall_bench
 
 MATMUL_BUDGET_S = 1.0  # the whole matrix-multiply probe, all dtypes together
 
@@ -108,7 +109,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def configure_only_modes(parser: argparse.ArgumentParser) -> None:
     """The modes that run one other benchmark instead of the table."""
     add = parser.add_argument
-    add("--decode", action="store_true", help="only: KV-cache decoding vs recomputing the prefix")
+    add(
+        "--decode",
+        action="store_true",
+        help="only: decoding's K+V bytes per second against the read bandwidth, then KV-cache "
+        "decoding vs recomputing the prefix",
+    )
     add("--decode-tokens", type=positive, default=512, help="tokens to decode (512)")
     add("--auto", action="store_true", help='only: every backend on what decides backend="auto"')
     add(
@@ -226,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
         for check in checks:
             print(memory.format_memory_check(check), flush=True)
     elif args.decode:
+        record["decode_wall"] = wall_bench.wall_benchmark(args.repeats)
+        print(wall_bench.format_wall(record["decode_wall"]), flush=True)
         record["decode"] = decode.decode_benchmark(args.decode_tokens, repeats=args.repeats)
         print(decode.format_decode(record["decode"]))
     elif args.auto:

@@ -1,7 +1,22 @@
-// Decoding: a few queries, one query row at a time: its scores against the keys it may see,
-// their maximum, one exponentiation pass, then out = Σ_j p_j v_j / l. k and v are read where
-// they lie (a KV cache's buffer), with any head and row strides; only their last dim must be
-// contiguous. float32 throughout: bfloat16 inputs are widened as they are read.
+// Decoding: a few query tokens per sequence against its cached keys, on one core for every
+// decoding path (decode_dense here; paged.h's pages and packed sequences). A work item is (a
+// group of up to kGroupTokens query tokens of one sequence, a block of key/value heads, a split of
+// the keys): every query head of its tokens that shares a key/value head is computed together, so
+// each K and V row is read once per call, in the order it lies in memory. Keys are taken a chunk
+// of kChunk at a time with an online softmax (a running maximum m and sum l per query row, in base
+// 2), so no row of scores as long as the cache is ever held. Where the items are fewer than a few
+// per thread, the keys are split (flash-decoding): each split gives partial (acc, m, l) per row,
+// merged exactly through their log-sum-exps. Chunks and splits start at multiples of kChunk
+// counted from key 0, whatever layout holds the keys: two layouts with the same keys run the very
+// same arithmetic. float32 throughout: bfloat16 inputs are widened as they are read.
+//
+// A Layout gives the core a call's sizes and where things lie: Hq, Hkv, D, Dv, kv_limit (the most
+// key/value heads one item may take), c (the exponent scale), scored (score rules); per query
+// token t and head h: query(t, h), bounds(t, h) = its keys [lo, hi) (in its sequence's numbering),
+// rule(t, h) (its score rules, d0 for key 0), out(t, h), lse(t, h); per sequence s and key j: the
+// run of keys from j that lie at fixed strides, run(s, j, end), for key/value head 0 (head kv is
+// kv · k_head further); k_key, v_key, k_head, v_head strides; segments: (sequence, first token,
+// end token) for each sequence that has query tokens.
 
 #pragma once
 
@@ -12,6 +27,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <tuple>
@@ -19,6 +36,12 @@
 #include <vector>
 
 namespace {
+
+constexpr int64_t kChunk = 32;        // keys per step of the online softmax
+constexpr int64_t kGroupTokens = 8;   // query tokens of one sequence per work item
+constexpr int64_t kItemRows = 128;    // query rows (tokens × heads) an item aims to hold at most
+constexpr int64_t kSplitKeys = 1024;  // the fewest keys a split gets where splits are chosen
+constexpr int64_t kItemsPerThread = 4;
 
 // float32 values from x (float32 or bfloat16, widened): a whole vector, or its first count
 // lanes (the rest 0).
@@ -52,95 +75,394 @@ inline Vec dot_lanes(const float* q, const T* key, int64_t D) {
   return acc;
 }
 
-// s_j = q · k_j for j < n, with k_j at k + j · stride (D contiguous values each).
-template <typename T>
-void dot_rows(const float* q, const T* k, int64_t stride, int64_t n, int64_t D, float* s) {
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {  // four keys at a time: four independent chains of sums
-    const Vec a0 = dot_lanes(q, k + j * stride, D), a1 = dot_lanes(q, k + (j + 1) * stride, D);
-    const Vec a2 = dot_lanes(q, k + (j + 2) * stride, D), a3 = dot_lanes(q, k + (j + 3) * stride, D);
-    s[j] = sum_lanes(a0), s[j + 1] = sum_lanes(a1), s[j + 2] = sum_lanes(a2), s[j + 3] = sum_lanes(a3);
-  }
-  for (; j < n; ++j) s[j] = sum_lanes(dot_lanes(q, k + j * stride, D));
-}
-
-// out = Σ_{j < n} p_j v_j, with v_j at v + j · stride (Dv contiguous values each): 64 output
-// features at a time, summed in 64 / kLanes registers.
-template <typename T>
-void weighted_sum(const float* p, const T* v, int64_t stride, int64_t n, int64_t Dv, float* out) {
-  constexpr int64_t kGroup = 64, kChunks = kGroup / kLanes;
-  for (int64_t e0 = 0; e0 < Dv; e0 += kGroup) {
-    const int64_t width = std::min(kGroup, Dv - e0);
-    Vec acc[kChunks];
-    for (auto& a : acc) a = Vec(0.f);
-    if (width == kGroup) {
-      for (int64_t j = 0; j < n; ++j) {
-        const Vec weight(p[j]);
-        const T* row = v + j * stride + e0;
-        for (int64_t c = 0; c < kChunks; ++c)
-          acc[c] = at::vec::fmadd(weight, load_float(row + c * kLanes), acc[c]);
-      }
-      for (int64_t c = 0; c < kChunks; ++c) acc[c].store(out + e0 + c * kLanes);
-      continue;
-    }
-    const int64_t chunks = (width + kLanes - 1) / kLanes;  // the last group's: fewer, the last partial
+// acc[r][e0 … e0 + width) += Σ_{j < n} p[r · p_stride + j] · v_j[e0 …] for NR rows (acc rows
+// acc_stride apart), v_j at v[j] + offset; width ≤ 4 vectors, held in registers over the keys.
+template <typename T, int NR>
+inline void add_block(float* acc, int64_t acc_stride, const float* p, int64_t p_stride,
+                      const T* const* v, int64_t offset, int64_t n, int64_t e0, int64_t width) {
+  const int64_t vecs = (width + kLanes - 1) / kLanes;
+  const auto count = [&](int64_t c) { return std::min(kLanes, width - c * kLanes); };
+  Vec a[NR][4];
+  for (int r = 0; r < NR; ++r)
+    for (int64_t c = 0; c < vecs; ++c) a[r][c] = Vec::loadu(acc + r * acc_stride + e0 + c * kLanes, count(c));
+  if (width == 4 * kLanes) {
     for (int64_t j = 0; j < n; ++j) {
-      const Vec weight(p[j]);
-      const T* row = v + j * stride + e0;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t count = std::min(kLanes, width - c * kLanes);
-        acc[c] = at::vec::fmadd(weight, load_float(row + c * kLanes, count), acc[c]);
+      const T* row = v[j] + offset + e0;
+      const Vec x0 = load_float(row), x1 = load_float(row + kLanes);
+      const Vec x2 = load_float(row + 2 * kLanes), x3 = load_float(row + 3 * kLanes);
+      for (int r = 0; r < NR; ++r) {
+        const Vec w(p[r * p_stride + j]);
+        a[r][0] = at::vec::fmadd(w, x0, a[r][0]), a[r][1] = at::vec::fmadd(w, x1, a[r][1]);
+        a[r][2] = at::vec::fmadd(w, x2, a[r][2]), a[r][3] = at::vec::fmadd(w, x3, a[r][3]);
       }
     }
-    for (int64_t c = 0; c < chunks; ++c)
-      acc[c].store(out + e0 + c * kLanes, std::min(kLanes, width - c * kLanes));
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      const T* row = v[j] + offset + e0;
+      for (int64_t c = 0; c < vecs; ++c) {
+        const Vec x = load_float(row + c * kLanes, count(c));
+        for (int r = 0; r < NR; ++r) a[r][c] = at::vec::fmadd(Vec(p[r * p_stride + j]), x, a[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int64_t c = 0; c < vecs; ++c) a[r][c].store(acc + r * acc_stride + e0 + c * kLanes, count(c));
+}
+
+// acc (rows × Dv) += p (rows × n, rows p_stride apart) · V, value row j at v[j] + offset.
+template <typename T>
+void add_values(float* acc, const float* p, int64_t p_stride, int64_t rows, const T* const* v,
+                int64_t offset, int64_t n, int64_t Dv) {
+  for (int64_t e0 = 0; e0 < Dv; e0 += 4 * kLanes) {
+    const int64_t width = std::min(4 * kLanes, Dv - e0);
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4)
+      add_block<T, 4>(acc + r * Dv, Dv, p + r * p_stride, p_stride, v, offset, n, e0, width);
+    for (; r < rows; ++r)
+      add_block<T, 1>(acc + r * Dv, Dv, p + r * p_stride, p_stride, v, offset, n, e0, width);
   }
 }
 
-// q (NG, Lq, D) contiguous, k (N, S, D) and v (N, S, Dv) with contiguous rows, float32 or
-// bfloat16: returns out (NG, Lq, Dv) and lse (NG, Lq), float32.
+// A run of keys that lie at the layout's strides: key/value head 0 of its first key, and how many.
 template <typename T>
-std::vector<at::Tensor> decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                    const CallRules& call) {
-  const int64_t NG = q.size(0), Lq = q.size(1), D = q.size(2);
-  const int64_t N = k.size(0), S = k.size(1), Dv = v.size(2);
-  const int64_t g = NG / N;
-  const float c = call.exponent_scale();
-  auto out = at::empty({NG, Lq, Dv}, q.options().dtype(at::kFloat));
-  auto lse = at::empty({NG, Lq}, q.options().dtype(at::kFloat));
-  const T* qd = q.const_data_ptr<T>();
-  const T* kd = k.const_data_ptr<T>();
-  const T* vd = v.const_data_ptr<T>();
-  float* od = out.data_ptr<float>();
-  float* ld = lse.data_ptr<float>();
-  // Rows are split between threads only when each gets enough work to pay for waking them.
-  const int64_t row_work = std::max<int64_t>(1, S * (D + Dv));
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / row_work);
-  at::parallel_for(0, NG * Lq, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(D), p(S);
-    for (int64_t z = begin; z < end; ++z) {
-      const int64_t head = z / Lq, i = z % Lq;
-      const auto [lo, hi] = call.keys.row(head, i);
-      const int64_t seen = std::max<int64_t>(0, hi - lo);  // keys lo … hi − 1
-      for (int64_t d = 0; d < D; ++d) query[d] = static_cast<float>(qd[z * D + d]);
-      const T* keys = kd + (head / g) * k.stride(0) + lo * k.stride(1);
-      dot_rows(query.data(), keys, k.stride(1), seen, D, p.data());
-      if (call.scores.any()) modify_row(p.data(), seen, call.row(head, i, lo));
-      const float m = row_max(p.data(), seen, c);
-      float l = 0.f, *o = od + z * Dv;
-      if (m == kNegInf) {  // no key (or only −inf scores): nothing to add, unless one is NaN
-        l = any_nan(p.data(), seen) ? std::numeric_limits<float>::quiet_NaN() : 0.f;
-        std::fill(o, o + Dv, l);
-      } else {
-        l = exp_row<float>(p.data(), p.data(), seen, c, m).sum;  // in place: 2^(s_j · c − m)
-        const T* values = vd + (head / g) * v.stride(0) + lo * v.stride(1);
-        weighted_sum(p.data(), values, v.stride(1), seen, Dv, o);
-        const float inv = 1.f / l;
-        for (int64_t e = 0; e < Dv; ++e) o[e] *= inv;
+struct KeyRun {
+  const T* k;
+  const T* v;
+  int64_t n;
+};
+
+// One work item: query tokens [t0, t1) of sequence s, key/value heads [kv0, kv1), keys [a, b).
+struct Item {
+  int64_t s, t0, t1, kv0, kv1, a, b;
+};
+
+// A thread's buffers for the item it runs: R query rows, row r = ((kv − kv0) · tokens + t − t0) ·
+// g + (h mod g), their queries (float32), one chunk's scores, outputs, and their key bounds and
+// rules; m, l as the online softmax keeps them.
+struct Rows {
+  std::vector<float> q, s, acc, m, l;
+  std::vector<int64_t> lo, hi;
+  std::vector<RowRules> rules;
+
+  void resize(int64_t R, int64_t D, int64_t Dv) {
+    q.resize(R * D), s.resize(R * kChunk), acc.resize(R * Dv), m.resize(R), l.resize(R);
+    lo.resize(R), hi.resize(R), rules.resize(R);
+  }
+};
+
+template <typename T, typename L>
+void gather_rows(const L& lay, const Item& item, Rows& w) {
+  const int64_t g = lay.Hq / lay.Hkv;
+  int64_t r = 0;
+  for (int64_t kv = item.kv0; kv < item.kv1; ++kv)
+    for (int64_t t = item.t0; t < item.t1; ++t)
+      for (int64_t h = kv * g; h < (kv + 1) * g; ++h, ++r) {
+        const T* x = lay.query(t, h);
+        for (int64_t d = 0; d < lay.D; ++d) w.q[r * lay.D + d] = static_cast<float>(x[d]);
+        const auto [lo, hi] = lay.bounds(t, h);
+        w.lo[r] = std::max(lo, item.a), w.hi[r] = std::min(hi, item.b);
+        if (lay.scored) w.rules[r] = lay.rule(t, h);
       }
-      ld[z] = row_lse(m, l);
+  const int64_t R = r;
+  std::fill(w.m.begin(), w.m.begin() + R, kNegInf);
+  std::fill(w.l.begin(), w.l.begin() + R, 0.f);
+  std::fill(w.acc.begin(), w.acc.begin() + R * lay.Dv, 0.f);
+}
+
+// Row r's scores of keys [c0, c0 + n) (s, in place) become its weights 2^(s_j · c − m) under
+// its running maximum m (moved up, its sums rescaled, where the chunk holds a larger score);
+// keys it may not see get weight 0.
+template <typename L>
+inline void softmax_step(const L& lay, Rows& w, int64_t r, int64_t c0, int64_t n) {
+  float* s = w.s.data() + r * kChunk;
+  const int64_t x0 = std::clamp(w.lo[r] - c0, int64_t{0}, n);
+  const int64_t x1 = std::clamp(w.hi[r] - c0, x0, n);
+  std::fill(s, s + x0, 0.f);
+  std::fill(s + x1, s + n, 0.f);
+  if (x0 == x1) return;
+  float* x = s + x0;
+  const int64_t seen = x1 - x0;
+  if (lay.scored) {
+    RowRules rule = w.rules[r];
+    rule.d0 -= c0 + x0;
+    modify_row(x, seen, rule);
+  }
+  const float top = row_max(x, seen, lay.c);
+  if (top == kNegInf) {  // only −inf (or NaN) scores: nothing to add, but NaN is passed on
+    if (any_nan(x, seen)) w.l[r] = std::numeric_limits<float>::quiet_NaN();
+    std::fill(x, x + seen, 0.f);
+    return;
+  }
+  if (top > w.m[r]) {
+    if (w.m[r] != kNegInf) {
+      const float f = std::exp2(w.m[r] - top);
+      float* a = w.acc.data() + r * lay.Dv;
+      for (int64_t e = 0; e < lay.Dv; ++e) a[e] *= f;
+      w.l[r] *= f;
+    }
+    w.m[r] = top;
+  }
+  w.l[r] += exp_row<float>(x, x, seen, lay.c, w.m[r]).sum;
+}
+
+// Where the keys [c0, c1) of one chunk lie: key c0 + i's key and value rows of head 0.
+template <typename T>
+struct ChunkRows {
+  std::array<const T*, kChunk> k, v;
+  int64_t c0 = 0, n = 0;
+};
+
+template <typename T, typename L>
+void locate(const L& lay, int64_t s, int64_t c0, int64_t c1, ChunkRows<T>& rows) {
+  rows.c0 = c0, rows.n = std::max<int64_t>(0, c1 - c0);
+  for (int64_t j = c0; j < c1;) {
+    const KeyRun<T> run = lay.run(s, j, c1);
+    for (int64_t i = 0; i < run.n; ++i)
+      rows.k[j - c0 + i] = run.k + i * lay.k_key, rows.v[j - c0 + i] = run.v + i * lay.v_key;
+    j += run.n;
+  }
+}
+
+// Asks for the cache lines of n values (of type T) from x, into the cache levels near the core.
+template <typename T>
+inline void prefetch(const T* x, int64_t n) {
+  const char* bytes = reinterpret_cast<const char*>(x);
+  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(bytes + b, 0, 2);
+}
+
+// The scores of two keys against n query rows (n rows of D in q), written to s[h · stride] and
+// s[h · stride + 1]: four rows at a time, each key and query vector loaded once for the eight.
+template <typename T>
+inline void pair_scores(const float* q, const T* key0, const T* key1, int64_t n, int64_t D,
+                        float* s, int64_t stride) {
+  int64_t h = 0;
+  for (; h + 4 <= n; h += 4) {
+    const float* q0 = q + h * D;
+    Vec a[4][2];
+    for (auto& row : a) row[0] = row[1] = Vec(0.f);
+    int64_t d = 0;
+    const auto step = [&](int64_t count) {
+      const Vec k0 = count == kLanes ? load_float(key0 + d) : load_float(key0 + d, count);
+      const Vec k1 = count == kLanes ? load_float(key1 + d) : load_float(key1 + d, count);
+      for (int r = 0; r < 4; ++r) {
+        const Vec x = count == kLanes ? Vec::loadu(q0 + r * D + d) : Vec::loadu(q0 + r * D + d, count);
+        a[r][0] = at::vec::fmadd(x, k0, a[r][0]), a[r][1] = at::vec::fmadd(x, k1, a[r][1]);
+      }
+    };
+    for (; d + kLanes <= D; d += kLanes) step(kLanes);
+    if (d < D) step(D - d);
+    for (int r = 0; r < 4; ++r)
+      s[(h + r) * stride] = sum_lanes(a[r][0]), s[(h + r) * stride + 1] = sum_lanes(a[r][1]);
+  }
+  for (; h < n; ++h) {
+    s[h * stride] = sum_lanes(dot_lanes(q + h * D, key0, D));
+    s[h * stride + 1] = sum_lanes(dot_lanes(q + h * D, key1, D));
+  }
+}
+
+// One chunk's keys for every row of the item: scores (each key row read once for the rows of its
+// key/value head, two keys at a time; meanwhile the next chunk's rows are asked for, so that
+// memory streams while this one computes), weights, then Σ p v.
+template <typename T, typename L>
+void run_chunk(const L& lay, const Item& item, Rows& w, const ChunkRows<T>& now,
+               const ChunkRows<T>& next) {
+  const int64_t g = lay.Hq / lay.Hkv, per_kv = (item.t1 - item.t0) * g;
+  const int64_t heads = item.kv1 - item.kv0, R = per_kv * heads;
+  for (int64_t i = 0; i < now.n; i += 2)
+    for (int64_t kv = item.kv0; kv < item.kv1; ++kv) {
+      for (int64_t x = i; x < std::min(i + 2, next.n); ++x) {
+        prefetch(next.k[x] + kv * lay.k_head, lay.D);
+        prefetch(next.v[x] + kv * lay.v_head, lay.Dv);
+      }
+      const int64_t row = (kv - item.kv0) * per_kv;
+      float* s = w.s.data() + row * kChunk + i;
+      const T* key = now.k[i] + kv * lay.k_head;
+      // (a lone last key is paired with itself: its twin lands in a column past the chunk's keys)
+      const T* twin = i + 1 < now.n ? now.k[i + 1] + kv * lay.k_head : key;
+      pair_scores(w.q.data() + row * lay.D, key, twin, per_kv, lay.D, s, kChunk);
+    }
+  for (int64_t r = 0; r < R; ++r) softmax_step(lay, w, r, now.c0, now.n);
+  for (int64_t kv = item.kv0; kv < item.kv1; ++kv) {
+    const int64_t row = (kv - item.kv0) * per_kv;
+    add_values(w.acc.data() + row * lay.Dv, w.s.data() + row * kChunk, kChunk, per_kv,
+               now.v.data(), kv * lay.v_head, now.n, lay.Dv);
+  }
+}
+
+// The item's rows over its keys, chunk by chunk (chunks end at multiples of kChunk).
+template <typename T, typename L>
+void run_item(const L& lay, const Item& item, Rows& w) {
+  gather_rows<T>(lay, item, w);
+  const auto end = [&](int64_t c0) { return std::min(item.b, (c0 / kChunk + 1) * kChunk); };
+  ChunkRows<T> now, next;
+  locate(lay, item.s, item.a, end(item.a), now);
+  while (now.n > 0) {
+    const int64_t c1 = now.c0 + now.n;
+    locate(lay, item.s, c1, c1 < item.b ? end(c1) : c1, next);
+    run_chunk<T>(lay, item, w, now, next);
+    std::swap(now, next);
+  }
+}
+
+// out = acc / l (0 for a row without keys), lse from (m, l), for the item's rows.
+template <typename L>
+void finish_rows(const L& lay, const Item& item, const Rows& w) {
+  const int64_t g = lay.Hq / lay.Hkv;
+  int64_t r = 0;
+  for (int64_t kv = item.kv0; kv < item.kv1; ++kv)
+    for (int64_t t = item.t0; t < item.t1; ++t)
+      for (int64_t h = kv * g; h < (kv + 1) * g; ++h, ++r) {
+        const float l = w.l[r], inverse = l == 0.f ? 0.f : 1.f / l;
+        float* o = lay.out(t, h);
+        for (int64_t e = 0; e < lay.Dv; ++e) o[e] = w.acc[r * lay.Dv + e] * inverse;
+        *lay.lse(t, h) = row_lse(w.m[r], l);
+      }
+}
+
+// The splits' partial rows of one item group merged: M = max m, l = Σ l_s 2^(m_s − M),
+// out = Σ acc_s 2^(m_s − M) / l (partials: splits, stride apart, each R × Dv acc, R m, R l).
+template <typename L>
+void merge_splits(const L& lay, const Item& item, const float* part, int64_t splits,
+                  int64_t stride, int64_t R, Rows& w) {
+  for (int64_t r = 0; r < R; ++r) {
+    float top = kNegInf;
+    for (int64_t x = 0; x < splits; ++x) top = std::max(top, part[x * stride + R * lay.Dv + r]);
+    float l = 0.f;
+    float* acc = w.acc.data() + r * lay.Dv;
+    std::fill(acc, acc + lay.Dv, 0.f);
+    for (int64_t x = 0; x < splits; ++x) {
+      const float* p = part + x * stride;
+      const float m = p[R * lay.Dv + r], ls = p[R * lay.Dv + R + r];
+      const float f = top == kNegInf ? 1.f : std::exp2(m - top);  // (m = −inf: 0)
+      l += ls * f;
+      if (ls != 0.f)
+        for (int64_t e = 0; e < lay.Dv; ++e) acc[e] += p[r * lay.Dv + e] * f;
+    }
+    w.m[r] = top, w.l[r] = l;
+  }
+  finish_rows(lay, item, w);
+}
+
+// The work items of a call: each segment's tokens in groups of kGroupTokens, key/value heads in
+// blocks of at most kv_limit and kItemRows rows, the keys in `splits` pieces (0: chosen here).
+template <typename L>
+std::vector<Item> plan_items(const L& lay, int64_t& splits) {
+  const int64_t g = lay.Hq / lay.Hkv;
+  std::vector<Item> groups;
+  for (const auto& [s, first, end] : lay.segments)
+    for (int64_t t0 = first; t0 < end; t0 += kGroupTokens) {
+      const int64_t t1 = std::min(end, t0 + kGroupTokens);
+      const int64_t block = std::clamp(kItemRows / ((t1 - t0) * g), int64_t{1}, lay.kv_limit);
+      for (int64_t kv0 = 0; kv0 < lay.Hkv; kv0 += block) {
+        Item item{s, t0, t1, kv0, std::min(lay.Hkv, kv0 + block), 0, 0};
+        int64_t a = std::numeric_limits<int64_t>::max(), b = 0;
+        for (int64_t t = t0; t < t1; ++t)
+          for (int64_t h = item.kv0 * g; h < item.kv1 * g; ++h) {
+            const auto [lo, hi] = lay.bounds(t, h);
+            if (lo < hi) a = std::min(a, lo), b = std::max(b, hi);
+          }
+        item.a = a < b ? a / kChunk * kChunk : 0, item.b = a < b ? b : 0;
+        groups.push_back(item);
+      }
+    }
+  if (splits <= 0) {
+    const int64_t n = static_cast<int64_t>(groups.size()), wanted = kItemsPerThread * at::get_num_threads();
+    int64_t longest = 0;
+    for (const Item& item : groups) longest = std::max(longest, item.b - item.a);
+    splits = n >= wanted ? 1 : std::clamp((wanted + n - 1) / std::max<int64_t>(n, 1), int64_t{1},
+                                          std::max<int64_t>(1, longest / kSplitKeys));
+  }
+  return groups;
+}
+
+// Split x of `splits` of an item's keys [a, b): a whole number of chunks each.
+inline Item split_item(const Item& item, int64_t x, int64_t splits) {
+  const int64_t chunks = (item.b - item.a + kChunk - 1) / kChunk;
+  const int64_t per = (chunks + splits - 1) / splits * kChunk;
+  Item piece = item;
+  piece.a = std::min(item.b, item.a + x * per), piece.b = std::min(item.b, item.a + (x + 1) * per);
+  return piece;
+}
+
+// Runs a call on its layout: every item on the threads, then (split calls) the merge.
+template <typename T, typename L>
+void decode_core(const L& lay, int64_t splits) {
+  const std::vector<Item> groups = plan_items(lay, splits);
+  const int64_t n = static_cast<int64_t>(groups.size()), g = lay.Hq / lay.Hkv;
+  int64_t R = 1;
+  for (const Item& item : groups) R = std::max(R, (item.t1 - item.t0) * (item.kv1 - item.kv0) * g);
+  const int64_t stride = R * (lay.Dv + 2);
+  std::vector<float> parts(splits > 1 ? n * splits * stride : 0);
+  at::parallel_for(0, n * splits, 1, [&](int64_t begin, int64_t end) {
+    Rows w;
+    w.resize(R, lay.D, lay.Dv);
+    for (int64_t z = begin; z < end; ++z) {
+      const Item& item = groups[z / splits];
+      run_item<T>(lay, split_item(item, z % splits, splits), w);
+      if (splits == 1) {
+        finish_rows(lay, item, w);
+        continue;
+      }
+      const int64_t rows = (item.t1 - item.t0) * (item.kv1 - item.kv0) * g;
+      float* p = parts.data() + z * stride;
+      std::copy(w.acc.begin(), w.acc.begin() + rows * lay.Dv, p);
+      std::copy(w.m.begin(), w.m.begin() + rows, p + rows * lay.Dv);
+      std::copy(w.l.begin(), w.l.begin() + rows, p + rows * lay.Dv + rows);
     }
   });
+  if (splits == 1) return;
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    Rows w;
+    w.resize(R, lay.D, lay.Dv);
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& item = groups[i];
+      const int64_t rows = (item.t1 - item.t0) * (item.kv1 - item.kv0) * g;
+      merge_splits(lay, item, parts.data() + i * splits * stride, splits, stride, rows, w);
+    }
+  });
+}
+
+// A call of kernel.decode: q (NG, Lq, D) contiguous, k (N, S, D) and v (N, S, Dv) with
+// contiguous rows, query head z using key/value head z / (NG / N); out (NG, Lq, Dv), lse (NG, Lq).
+template <typename T>
+struct DenseLayout {
+  const T *qd, *kd, *vd;
+  float *od, *ld;
+  int64_t Hq, Hkv, D, Dv, Lq, kv_limit;
+  int64_t k_key, v_key, k_head, v_head;
+  float c;
+  bool scored;
+  const CallRules* call;
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> segments;
+
+  const T* query(int64_t t, int64_t h) const { return qd + (h * Lq + t) * D; }
+  std::pair<int64_t, int64_t> bounds(int64_t t, int64_t h) const { return call->keys.row(h, t); }
+  RowRules rule(int64_t t, int64_t h) const { return call->row(h, t, 0); }
+  float* out(int64_t t, int64_t h) const { return od + (h * Lq + t) * Dv; }
+  float* lse(int64_t t, int64_t h) const { return ld + h * Lq + t; }
+  KeyRun<T> run(int64_t, int64_t j, int64_t end) const {
+    return {kd + j * k_key, vd + j * v_key, end - j};
+  }
+};
+
+// q (NG, Lq, D) contiguous, k (N, S, D) and v (N, S, Dv) with contiguous rows, float32 or
+// bfloat16: returns out (NG, Lq, Dv) and lse (NG, Lq), float32. splits: 0 to choose, else
+// forced. An item takes one key/value head: each head's keys are one stream in memory (heads side
+// by side in one item would be many streams whose addresses share their low bits, a multiple of
+// 4 KiB apart, and evict each other from the cache's sets).
+template <typename T>
+std::vector<at::Tensor> decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const CallRules& call, int64_t splits) {
+  constexpr int64_t kv_limit = 1;
+  const int64_t NG = q.size(0), Lq = q.size(1), N = k.size(0);
+  auto out = at::empty({NG, Lq, v.size(2)}, q.options().dtype(at::kFloat));
+  auto lse = at::empty({NG, Lq}, q.options().dtype(at::kFloat));
+  const DenseLayout<T> lay{q.const_data_ptr<T>(), k.const_data_ptr<T>(), v.const_data_ptr<T>(),
+                           out.data_ptr<float>(), lse.data_ptr<float>(), NG, N, q.size(2),
+                           v.size(2), Lq, kv_limit, k.stride(1),
+                           v.stride(1), k.stride(0), v.stride(0), call.exponent_scale(),
+                           call.scores.any(), &call, {{0, 0, Lq}}};
+  if (NG > 0 && N > 0) decode_core<T>(lay, splits);
   return {out, lse};
 }
 

@@ -7,8 +7,8 @@
 //   products.h   float32 matrix products: the kernel's register tiles, oneDNN's brgemm, BLAS
 //   forward.h    the forward recurrence, a query block at a time (its header explains it)
 //   backward.h   the backward pass
-//   decode.h     a few queries (decoding), one row at a time, K/V read where they lie
-//   paged.h      decoding against a paged KV cache, pages read where they lie
+//   decode.h     decoding's one core: a few queries per sequence, K/V read once where they lie
+//   paged.h      decode.h's core for packed sequences: a paged KV cache, or keys packed in place
 //   program.h    a score_mod / mask_mod as a program run on each row of scores
 //   program_calls.h  the forward pass with such a program, and the program alone
 //
@@ -60,11 +60,12 @@ std::vector<at::Tensor> forward(
 
 // q (*B, Hq, Lq, D), k (*B, Hkv, S, D), v (*B, Hkv, S, Dv) with the same leading dims B (any
 // number of them, 0 included), float32 or bfloat16, k and v with any strides but contiguous
-// rows: returns out (*B, Hq, Lq, Dv) and lse (*B, Hq, Lq), float32 (decode.h).
+// rows: returns out (*B, Hq, Lq, Dv) and lse (*B, Hq, Lq), float32 (decode.h). splits: how many
+// pieces the keys are split into (0: decode.h chooses).
 std::vector<at::Tensor> decode(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
     int64_t offset, bool windowed, int64_t window, const at::Tensor& ranges,
-    int64_t heads_per_range, double softcap, const at::Tensor& slopes) {
+    int64_t heads_per_range, double softcap, const at::Tensor& slopes, int64_t splits) {
   TORCH_CHECK(q.dim() >= 3 && k.dim() == q.dim() && v.dim() == q.dim(), "q, k, v: same dims");
   TORCH_CHECK(q.sizes().slice(0, q.dim() - 3) == k.sizes().slice(0, k.dim() - 3) &&
               k.sizes().slice(0, k.dim() - 2) == v.sizes().slice(0, v.dim() - 2),
@@ -83,10 +84,10 @@ std::vector<at::Tensor> decode(
                        score_rules(softcap, slopes, q3.size(0), k.size(-2), q.size(-2))};
   std::vector<at::Tensor> result;
   if (q.scalar_type() == at::kBFloat16) {
-    result = decode_impl<at::BFloat16>(q3, rows(k), rows(v), call);
+    result = decode_impl<at::BFloat16>(q3, rows(k), rows(v), call, splits);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "float32 or bfloat16");
-    result = decode_impl<float>(q3, rows(k), rows(v), call);
+    result = decode_impl<float>(q3, rows(k), rows(v), call, splits);
   }
   std::vector<int64_t> shape(q.sizes().begin(), q.sizes().end());
   shape.back() = v.size(-1);
@@ -99,10 +100,11 @@ std::vector<at::Tensor> decode(
 // One decoding step against a KV cache: k_new (B, Hkv, L, D) and v_new (B, Hkv, L, Dv) are written
 // into the cache's buffers k_buf (B, Hkv, capacity, D) and v_buf (B, Hkv, capacity, Dv) at
 // start … start+L−1, then q (B, H, L, D) attends to the first start + L positions (decode,
-// reading the buffers in place). Returns out (B, H, L, Dv) in q's dtype.
+// reading the buffers in place, keys split as decode's splits say). Returns out (B, H, L, Dv) in
+// q's dtype.
 at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                        const at::Tensor& k_buf, const at::Tensor& v_buf, int64_t start,
-                       double scale, bool causal, int64_t offset) {
+                       double scale, bool causal, int64_t offset, int64_t splits) {
   TORCH_CHECK(q.dim() == 4 && k_new.dim() == 4 && v_new.dim() == 4 && k_buf.dim() == 4 &&
               v_buf.dim() == 4, "q, new keys/values and buffers must be 4-d");
   const int64_t L = k_new.size(2);
@@ -113,7 +115,7 @@ at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k_new, const at::T
   const int64_t S = start + L;
   const at::Tensor out =
       decode(q, k_buf.narrow(2, 0, S), v_buf.narrow(2, 0, S), scale, causal, offset, false, 0,
-             at::Tensor(), 1, 0.0, at::Tensor())[0];
+             at::Tensor(), 1, 0.0, at::Tensor(), splits)[0];
   return out.to(q.scalar_type());
 }
 
@@ -165,6 +167,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("paged_decode", &paged_decode, "a few queries per sequence against a paged cache");
   module.def("forward_program", &forward_program, "flash forward with a mod program");
   module.def("evaluate_program", &evaluate_program, "a mod program on a block of scores");
+  module.def("packed_decode", &packed_decode, "a few queries per sequence against packed keys");
   module.def("backward", &backward, "flash backward: (dq, dk, dv, dslopes), float32");
   module.def("bfloat16_matrix_units", &bfloat16_matrix_units);
   module.def("build_info", &build_info, "capability, vector width");

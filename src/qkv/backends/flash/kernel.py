@@ -3,8 +3,9 @@
 The kernel runs the forward recurrence of ``loop.py`` for calls without a mask (a causal rule,
 a window and packed sequences given as each query row's range of keys), one query block
 of one head at a time in cache-sized buffers, with one fused exp/sum pass per key block. Calls
-with fewer than ``DECODE_QUERIES`` queries (decoding) take its other path: one query row at a
-time, K/V read where they lie, so a KV cache's buffer is never copied. Its backward pass
+with fewer than ``DECODE_QUERIES`` queries (decoding) take its decoding core (``decode.h``): the
+query heads that share a key/value head together, K/V read once where they lie, so a KV cache's
+buffer is never copied, and a long cache's keys split across the threads. Its backward pass
 (``backward``) takes the same rules (key ranges, soft-capping, ALiBi, with the slopes'
 gradient), recomputes each tile's weights from the saved log-sum-exp and sums dQ, dK and dV
 per block, in a fixed order (the same bits on every run).
@@ -53,9 +54,14 @@ from qkv.backends.flash.loop import flat_heads
 
 # Run the calls the kernel supports on it (False: always the PyTorch loop).
 ENABLED = os.environ.get("QKV_FLASH_KERNEL", "1") != "0"
-# Calls with fewer queries than this (decoding) run on the kernel's one-row-at-a-time path,
-# which reads K/V where they lie (a KV cache's buffer) instead of rearranging them into blocks.
+# Calls with fewer queries than this (decoding) run on the kernel's decoding core (decode.h),
+# which reads K/V once, where they lie (a KV cache's buffer), instead of rearranging them into
+# blocks.
 DECODE_QUERIES = 16
+# How many pieces the decoding core splits each sequence's keys into: 0 lets it choose (it
+# splits where the work items are fewer than a few per thread); a number forces it (tests use
+# this to run both branches). Read at every call.
+DECODE_SPLITS = 0
 
 # The instruction set the kernel is built for: "native", "avx512" or "avx2" (see above).
 ISA = os.environ.get("QKV_FLASH_ISA", "native")
@@ -327,13 +333,14 @@ def forward(
     kernel = load()  # built and cached by takes
     assert kernel is not None
     rules = _rule_arguments(causal_offset, window_offset, ranges, softcap, slopes)
-    if q.shape[-2] < DECODE_QUERIES:  # one row at a time, K/V read where they lie
+    if q.shape[-2] < DECODE_QUERIES:  # the decoding core: K/V read once, where they lie
         if q.dtype != torch.float16 and q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
-            out, lse = kernel.decode(q, k, v, scale, *rules)
+            out, lse = kernel.decode(q, k, v, scale, *rules, DECODE_SPLITS)
             return out, lse  # the common case: (*B, Hq, Lq, Dv), (*B, Hq, Lq) as they come
         dtype = torch.float32 if q.dtype == torch.float16 else q.dtype
         q_flat, k_flat, v_flat, batch = flat_heads(q, k, v, dtype)  # batch dims broadcast
-        out, lse = kernel.decode(q_flat.flatten(0, 1), k_flat, v_flat, scale, *rules)
+        flat = q_flat.flatten(0, 1)
+        out, lse = kernel.decode(flat, k_flat, v_flat, scale, *rules, DECODE_SPLITS)
     else:
         low = q.dtype == torch.bfloat16 and bfloat16_products()
         dtype = torch.bfloat16 if low else torch.float32
@@ -451,6 +458,6 @@ def decode_step(
     assert kernel is not None  # decode_step_takes said so
     causal = causal_offset is not None
     out: torch.Tensor = kernel.decode_step(
-        q, k_new, v_new, keys, values, start, scale, causal, causal_offset or 0
+        q, k_new, v_new, keys, values, start, scale, causal, causal_offset or 0, DECODE_SPLITS
     )
     return out

@@ -2,7 +2,9 @@
 
 Keys and values live in pools (P, page_size, H_kv, D); sequence i's key t is token
 t % page_size of page table[i, t // page_size]. The compiled kernel (``paged.h``) walks each
-query row's pages in place. Without it (float16, float64, another device, no kernel) this module's
+sequence's pages in place, on the decoding core every decoding path runs (``decode.h``: a
+long sequence's pages split across threads, a paged call the same arithmetic as a packed one).
+Without it (float16, float64, another device, no kernel) this module's
 loop runs the same online softmax as ``loop.py``, a tile of pages at a time: only the tile's
 pages are gathered, never a sequence's whole cache. Legend: T query tokens, H_q / H_kv heads,
 g = H_q / H_kv, D / Dv features, n keys of a tile.
@@ -49,6 +51,7 @@ def attend(
         rules.scale,
         rules.softcap or 0.0,
         torch.empty(0) if slopes is None else slopes.detach().to(torch.float32).contiguous(),
+        kernel.DECODE_SPLITS,
     )
     return out, lse.transpose(0, 1)
 

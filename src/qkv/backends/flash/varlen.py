@@ -50,6 +50,8 @@ def packed(
     q4, k4, v4 = (x.transpose(0, 1)[None] for x in (query, key, value))  # (1, H, T, D) views
     if not kernel.takes(q4, k4, v4):
         return None
+    if decoding(query, key, value, packing, rules):
+        return _decode(query, key, value, packing, rules)
     packed_rules = Rules(
         softcap=rules.softcap,
         alibi_slopes=rules.alibi_slopes,
@@ -77,3 +79,60 @@ def paged(
         out4, lse4 = with_sinks(out.transpose(0, 1)[None], lse[None], rules.sinks)
         out, lse = out4[0].transpose(0, 1), lse4[0]
     return out.to(query.dtype), lse
+
+
+def decoding(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    packing: Packing,
+    rules: VarlenRules,
+) -> bool:
+    """Whether a packed call runs on the decoding core (``paged.h``'s packed_decode: each
+    sequence's keys read where they lie, no copy): no gradient is asked for, float32 or bfloat16,
+    and every sequence has fewer than ``kernel.DECODE_QUERIES`` query tokens (decoding, mixed
+    with a few speculative tokens; a longer prompt takes the block kernel)."""
+    tensors = (query, key, value, rules.alibi_slopes, rules.sinks)
+    wants_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+    return (
+        not wants_grad
+        and query.dtype in (torch.float32, torch.bfloat16)
+        and max(packing.q_len, default=0) < kernel.DECODE_QUERIES
+    )
+
+
+def _decode(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    packing: Packing,
+    rules: VarlenRules,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``packed`` on the decoding core: out (T_q, H_q, Dv) in query's dtype, lse (H_q, T_q)."""
+    module = kernel.load()
+    assert module is not None  # built by takes
+    slopes = _slopes(rules.alibi_slopes)
+    out, lse = module.packed_decode(
+        query.contiguous(),
+        key if key.stride(-1) == 1 else key.contiguous(),
+        value if value.stride(-1) == 1 else value.contiguous(),
+        torch.tensor(packing.k_start, dtype=torch.long),
+        rows(packing, rules),
+        rules.scale,
+        rules.softcap or 0.0,
+        torch.empty(0) if slopes is None else slopes,
+        kernel.DECODE_SPLITS,
+    )
+    lse = lse.transpose(0, 1)
+    if rules.sinks is not None:
+        from qkv.backends.flash import with_sinks
+
+        out4, lse4 = with_sinks(out.transpose(0, 1)[None], lse[None], rules.sinks)
+        out, lse = out4[0].transpose(0, 1), lse4[0]
+    return out.to(query.dtype), lse
+
+
+def _slopes(slopes: torch.Tensor | None) -> torch.Tensor | None:
+    return None if slopes is None else slopes.detach().to(torch.float32).contiguous().cpu()
+
+
