@@ -134,5 +134,3 @@ def _decode(
 
 def _slopes(slopes: torch.Tensor | None) -> torch.Tensor | None:
     return None if slopes is None else slopes.detach().to(torch.float32).contiguous().cpu()
-
-
