@@ -86,7 +86,8 @@ def attention(call: Call) -> tuple[torch.Tensor, None, torch.Tensor | None]:
     """Run a checked call: (out in q's dtype, None, lse if the call asks for it). Traced
     (torch.compile, torch.export, fake or meta tensors), it is one custom operator
     (``ops.attention``); eagerly the same functions run without the operator's dispatch. A
-    score_mod or mask_mod runs per tile on the loop (``mods.py``, ``mods_call.py``)."""
+    score_mod or mask_mod runs as a program in the kernel, or per tile on the loop
+    (``mods_call.py``)."""
     if call.mods:
         from qkv.backends.flash import mods_call
 
