@@ -4,8 +4,9 @@
 // the keys): every query head of its tokens that shares a key/value head is computed together, so
 // each K and V row is read once per call, in the order it lies in memory. Keys are taken a chunk
 // of kChunk at a time with an online softmax (a running maximum m and sum l per query row, in base
-// 2), so no row of scores as long as the cache is ever held. Where the items are fewer than a few
-// per thread, the keys are split (flash-decoding): each split gives partial (acc, m, l) per row,
+// 2), so no row of scores as long as the cache is ever held. Where the items are fewer than
+// kSplitItems (a constant: the same bits on any number of threads), the keys are split
+// (flash-decoding): each split gives partial (acc, m, l) per row,
 // merged exactly through their log-sum-exps. Chunks and splits start at multiples of kChunk
 // counted from key 0, whatever layout holds the keys: two layouts with the same keys run the very
 // same arithmetic. float32 throughout: bfloat16 inputs are widened as they are read.
@@ -41,7 +42,9 @@ constexpr int64_t kChunk = 32;        // keys per step of the online softmax
 constexpr int64_t kGroupTokens = 8;   // query tokens of one sequence per work item
 constexpr int64_t kItemRows = 128;    // query rows (tokens × heads) an item aims to hold at most
 constexpr int64_t kSplitKeys = 1024;  // the fewest keys a split gets where splits are chosen
-constexpr int64_t kItemsPerThread = 4;
+// Splits are chosen so that a call has at least kSplitItems work items: a number of the call's
+// sizes alone, never of the thread count, so one thread and many give the same bits.
+constexpr int64_t kSplitItems = 32;
 
 // float32 values from x (float32 or bfloat16, widened): a whole vector, or its first count
 // lanes (the rest 0).
@@ -366,7 +369,7 @@ std::vector<Item> plan_items(const L& lay, int64_t& splits) {
       }
     }
   if (splits <= 0) {
-    const int64_t n = static_cast<int64_t>(groups.size()), wanted = kItemsPerThread * at::get_num_threads();
+    const int64_t n = static_cast<int64_t>(groups.size()), wanted = kSplitItems;
     int64_t longest = 0;
     for (const Item& item : groups) longest = std::max(longest, item.b - item.a);
     splits = n >= wanted ? 1 : std::clamp((wanted + n - 1) / std::max<int64_t>(n, 1), int64_t{1},
