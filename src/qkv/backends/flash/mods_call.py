@@ -1,5 +1,5 @@
-"""flash's entry point for calls with a ``score_mod`` or ``mask_mod``: a forward pass that no
-backward pass follows on the compiled kernel with the mods' programs where it takes the call
+"""flash's entry point for calls with a ``score_mod`` or ``mask_mod``: forward and backward
+passes on the compiled kernel with the mods' programs where it takes the call
 (``program_call.py``), else the loop with a ``TileMods`` (``mods.py``), inside an autograd
 function whose inputs include the tensors the score_mod captures
 (``qkv.mods.captured_tensors``), so that their gradients come back. Sinks join each row after
@@ -42,7 +42,7 @@ def attention(call: Call) -> tuple[torch.Tensor, None, torch.Tensor | None]:
         )
     else:
         with torch.no_grad():
-            out, lse = _forward(call, rules, captured, False)
+            out, lse, _ = _forward(call, rules, captured, False)
     if call.rules.sinks is not None:  # a key per head of logit sinks[h] and value 0 joins each row
         sink = call.rules.sinks.to(lse.dtype)[:, None].expand_as(lse)  # (*B, Hq, Lq)
         lse, share, _ = logsumexp.shares(lse, sink)
@@ -64,13 +64,13 @@ def _tile_mods(
 
 def _forward(
     call: Call, rules: Rules | None, captured: list[torch.Tensor], differentiable: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """out (*B, Hq, Lq, Dv) in the compute dtype and lse (*B, Hq, Lq), without sinks: on the
-    compiled kernel with the mods' program where it runs the call (``program_call``)."""
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """out (*B, Hq, Lq, Dv) in the compute dtype and lse (*B, Hq, Lq), without sinks, and
+    whether they came from the compiled kernel with the mods' program (``program_call``)."""
     compiled = program_call.forward(call, rules or call.rules, differentiable)
     if compiled is not None:
-        return compiled
-    return loop.forward(
+        return (*compiled, True)
+    out, lse = loop.forward(
         call.q,
         call.k,
         call.v,
@@ -80,11 +80,14 @@ def _forward(
         rules=rules,
         mods=_tile_mods(call, captured, False, differentiable),
     )
+    return out, lse, False
 
 
 class _ModsAttention(torch.autograd.Function):
-    """Saves q, k, v, out and lse; the backward pass recomputes each tile's scores and runs the
-    score_mod under autograd. Inputs after the options: the tensors the score_mod captures."""
+    """Saves q, k, v, out and lse; the backward pass runs on the kernel with the mods' programs
+    where the forward pass did (``program_call.backward``), else recomputes each tile's scores
+    and runs the score_mod under autograd. Inputs after the options: the tensors the score_mod
+    captures."""
 
     @staticmethod
     def forward(
@@ -97,9 +100,9 @@ class _ModsAttention(torch.autograd.Function):
         *captured: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         call, rules = options
-        out, lse = _forward(call, rules, list(captured), True)
+        out, lse, compiled = _forward(call, rules, list(captured), True)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options, ctx.captured = options, captured
+        ctx.options, ctx.captured, ctx.compiled = options, captured, compiled
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -111,6 +114,12 @@ class _ModsAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         call, rules = ctx.options
         grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+        if ctx.compiled:
+            grads = program_call.backward(call, rules or call.rules, out, grad_out, lse, grad_lse)
+            if grads is not None:
+                dq, dk, dv = grads
+                frozen = [None] * len(ctx.captured)  # (no captured tensor needs a gradient here)
+                return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, *frozen)
         tile_mods = _tile_mods(call, list(ctx.captured), grad=True)
         dq, dk, dv, dslopes = loop.backward_all(
             q,
