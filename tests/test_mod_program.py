@@ -174,3 +174,124 @@ def test_block_states_of_a_mask() -> None:
     assert states[2].tolist() == [empty, partial, partial, empty]
     assert states[0, 0] == partial and states[0, 1:].tolist() == [empty] * 3
     assert full not in states.tolist()
+
+
+# --- the backward pass on the programs ---------------------------------------------------------
+
+GRADIENT_CASES = {
+    "softcap": ({"score_mod": SCORE_MODS["softcap"]}, (1, 200, 333, 2)),
+    "alibi causal": ({"score_mod": SCORE_MODS["alibi"], "causal": True}, (2, 150, 150, 4)),
+    "frozen table, documents": (
+        {"score_mod": SCORE_MODS["relative table"], "mask_mod": MASK_MODS["documents"]},
+        (1, 300, 600, 1),
+    ),
+    "t5 buckets, window": ({"score_mod": _t5, "mask_mod": MASK_MODS["window"]}, (1, 257, 257, 2)),
+    "parity, empty rows": (
+        {"score_mod": SCORE_MODS["rows and parity"], "mask_mod": MASK_MODS["rows only"]},
+        (1, 130, 77, 4),
+    ),
+}
+
+
+@pytest.fixture
+def ran_backward(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each backward pass ran on the programs (True) or the exact path (False)."""
+    seen: list[bool] = []
+    backward = program_call.backward
+
+    def spy(*args: Any) -> Any:
+        result = backward(*args)
+        seen.append(result is not None)
+        return result
+
+    monkeypatch.setattr(program_call, "backward", spy)
+    return seen
+
+
+def _gradients(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "flash", **mods: Any
+) -> list[torch.Tensor]:
+    """out and the gradients of q, k, v of a fixed function of out and lse."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out, lse = qkv.attention(q, k, v, backend=backend, return_lse=True, **mods)
+    weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)
+    loss = (out * weights).sum() + torch.where(lse.isfinite(), lse, 0).sum() * 0.1
+    loss.backward()
+    return [out.detach(), *(x.grad for x in (q, k, v))]  # type: ignore[misc]
+
+
+def _exact_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **mods: Any) -> Any:
+    saved = program_call.ENABLED
+    program_call.ENABLED = False
+    try:
+        return _gradients(q.double(), k.double(), v.double(), **mods)
+    finally:
+        program_call.ENABLED = saved
+
+
+@pytest.mark.parametrize("name", list(GRADIENT_CASES))
+def test_gradients_equal_the_exact_path_and_autograd(
+    ran: list[bool], ran_backward: list[bool], name: str
+) -> None:
+    mods, shapes = GRADIENT_CASES[name]
+    q, k, v = _inputs(*shapes, torch.float32)
+    got = _gradients(q, k, v, **mods)
+    assert ran[-1] and ran_backward == [True], "the call did not run on the programs"
+    tol = 4 * TOLERANCE[torch.float32]
+    for expected in (
+        _exact_gradients(q, k, v, **mods),
+        _gradients(q.double(), k.double(), v.double(), backend="reference", **mods),
+    ):
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a.double(), b, atol=tol, rtol=tol)
+    if name == "parity, empty rows":  # rows 2, 7, … see no key: 0 gradient
+        assert bool((got[1][:, :, 2::5] == 0).all())
+
+
+def test_gradients_gqa_bfloat16(ran: list[bool], ran_backward: list[bool]) -> None:
+    mods = {"score_mod": SCORE_MODS["softcap"], "mask_mod": MASK_MODS["documents"]}
+    q, k, v = _inputs(1, 257, 300, 1, torch.bfloat16)
+    got = _gradients(q, k, v, **mods)
+    assert ran[-1] and ran_backward == [True]
+    for a, b in zip(got, _exact_gradients(q, k, v, **mods), strict=True):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.double(), b, atol=0.05, rtol=0.05)
+
+
+def test_a_learned_table_takes_the_exact_path(ran: list[bool]) -> None:
+    table = TABLE.clone().requires_grad_()
+
+    def learned(score: Any, b: Any, h: Any, qi: Any, kv: Any) -> Any:
+        return score + table[h, qi - kv + 599]
+
+    q, k, v = _inputs(1, 100, 100, H, torch.float32)
+    qkv.attention(q, k, v, backend="flash", score_mod=learned).sum().backward()
+    assert ran == [False]
+    assert table.grad is not None and bool(table.grad.abs().sum() > 0)
+
+
+def test_a_wrong_derivative_is_caught_by_the_proof(
+    ran: list[bool], ran_backward: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = kernel.load()
+
+    class Planted:  # the kernel, its programs' derivative off by a half
+        def __getattr__(self, name: str) -> Any:
+            return getattr(module, name)
+
+        def evaluate_program(self, *args: Any) -> Any:
+            got, keep, slope = module.evaluate_program(*args)
+            return got, keep, slope * 1.5
+
+    monkeypatch.setattr(program_call.kernel, "load", lambda: Planted())
+
+    def capped(score: Any, b: Any, h: Any, qi: Any, kv: Any) -> Any:
+        return 15.0 * torch.tanh(score / 15.0)
+
+    q, k, v = _inputs(1, 64, 100, H, torch.float32)
+    with pytest.warns(UserWarning, match="score_mod's derivative"):
+        got = _gradients(q, k, v, score_mod=capped)
+    assert ran == [False] and ran_backward == []
+    tol = 4 * TOLERANCE[torch.float32]
+    for a, b in zip(got, _exact_gradients(q, k, v, score_mod=capped), strict=True):
+        torch.testing.assert_close(a.double(), b, atol=tol, rtol=tol)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -22,17 +22,35 @@ if TYPE_CHECKING:
     from qkv.backends.flash.mods import TileMods
 
 
+class Compiled(Protocol):
+    """A call's two passes on a compiled path of its own (``mods_call``: the mods' programs in
+    the kernel); each gives None where that path does not run the call."""
+
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+    def backward(
+        self,
+        out: torch.Tensor,
+        grad_out: torch.Tensor,
+        lse: torch.Tensor,
+        grad_lse: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None: ...
+
+
 @dataclass(frozen=True)
 class Pass:
     """The non-tensor inputs of a differentiable flash call. ``mods(captured, grad,
     differentiable)`` makes the ``TileMods`` of a call with a score_mod or mask_mod for one pass
-    (``grad``: the backward pass), None without one."""
+    (``grad``: the backward pass), None without one. ``compiled``: the call's two passes on a
+    path of its own, tried first (``mods_call``: no sinks, no captured tensor needing a
+    gradient)."""
 
     scale: float
     causal_offset: int | None = None
     mask: torch.Tensor | None = None
     rules: Rules = NO_RULES
     mods: Callable[[list[torch.Tensor], bool, bool], TileMods] | None = None
+    compiled: Compiled | None = None
 
 
 def attention(
@@ -67,6 +85,14 @@ class Attention(torch.autograd.Function):
         options: Pass,
         *captured: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        result = None if options.compiled is None else options.compiled.forward()
+        ctx.compiled = result is not None
+        if result is not None:
+            out, lse = result
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.options, ctx.captured = options, captured
+            ctx.set_materialize_grads(False)
+            return out, lse
         mods = None if options.mods is None else options.mods(list(captured), False, True)
         out, lse = forward(
             q,
@@ -91,6 +117,14 @@ class Attention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         options: Pass = ctx.options
         captured: tuple[torch.Tensor, ...] = ctx.captured
+        grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+        if ctx.compiled:
+            assert options.compiled is not None
+            result = options.compiled.backward(out, grad_out, lse, grad_lse)
+            if result is not None:  # (no sinks, slopes or captured tensors take gradients there)
+                dq, dk, dv = result
+                grads = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+                return (*grads, None, None, None, *([None] * len(captured)))
         mods = None if options.mods is None else options.mods(list(captured), True, True)
         dq, dk, dv, dslopes, dsinks = gradients(
             q,
@@ -98,7 +132,7 @@ class Attention(torch.autograd.Function):
             v,
             out,
             lse,
-            torch.zeros_like(out) if grad_out is None else grad_out,
+            grad_out,
             grad_lse,
             scale=options.scale,
             causal_offset=options.causal_offset,

@@ -10,7 +10,9 @@
 // dK and dV are added up in order at the end. Rows with lse = −inf (no key) get P = 0.
 // With the forward's rules: each row only its keys [lo, hi) (key blocks no row of a query block
 // may see are skipped), and soft-capped or ALiBi scores recomputed as the forward pass made them
-// (rule_gradients), with ALiBi's slopes' gradient. The products run on the kernel's own tiles.
+// (rule_gradients), with ALiBi's slopes' gradient; with a score_mod / mask_mod program, the
+// scores it made and its derivative (ModProgram::gradients). The products run on the kernel's
+// own tiles.
 
 #pragma once
 
@@ -99,6 +101,7 @@ struct BackwardPass {
     std::fill(scratch.dq_block.begin(), scratch.dq_block.end(), 0.f);
     for (int64_t k0 = keys_begin / kPanel * kPanel; k0 < keys_end; k0 += kKeyBlock) {
       const int64_t kn = std::min(kKeyBlock, keys_end - k0);
+      if (call.program != nullptr && call.program->skips(block.q0, k0, kn)) continue;
       product_tiles({.M = rows, .N = kn, .K = D, .a = q_block, .lda = D, .step = 1,
                      .b = kp + k0 * D, .ldb = kPanel, .panel_stride = D * kPanel, .c = p,
                      .ldc = kScoreStride, .add = false});  // s = q · kᵀ
@@ -135,6 +138,13 @@ struct BackwardPass {
     const int64_t seen = std::max(from, std::clamp<int64_t>(hi - k0, 0, kn)) - from;
     std::fill(p, p + from, 0.f);
     std::fill(ds, ds + from, 0.f);
+    if (call.program != nullptr) {  // a score_mod / mask_mod program (program.h)
+      call.program->gradients(p + from, ds + from, seen, block.head, i, k0 + from, lse2[row],
+                              delta[row]);
+      std::fill(p + from + seen, p + kn, 0.f);
+      std::fill(ds + from + seen, ds + kn, 0.f);
+      return 0.f;
+    }
     if (!call.scores.any()) {
       tile_gradients(p + from, ds + from, seen, kn - from, call.exponent_scale(), lse2[row],
                      delta[row]);

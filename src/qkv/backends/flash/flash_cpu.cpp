@@ -10,7 +10,7 @@
 //   decode.h     decoding's one core: a few queries per sequence, K/V read once where they lie
 //   paged.h      decode.h's core for packed sequences: a paged KV cache, or keys packed in place
 //   program.h    a score_mod / mask_mod as a program run on each row of scores
-//   program_calls.h  the forward pass with such a program, and the program alone
+//   program_calls.h  the forward and backward passes with such a program, and the program alone
 //
 // They are included here, once: the kernel is one translation unit, so that the compiler sees
 // all of it and inlines the row passes and tiles into the loops that run them. kernel.py
@@ -166,6 +166,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("decode_step", &decode_step, "write new keys/values into a KV cache's buffers, attend");
   module.def("paged_decode", &paged_decode, "a few queries per sequence against a paged cache");
   module.def("forward_program", &forward_program, "flash forward with a mod program");
+  module.def("backward_program", &backward_program, "flash backward with a mod program");
   module.def("evaluate_program", &evaluate_program, "a mod program on a block of scores");
   module.def("packed_decode", &packed_decode, "a few queries per sequence against packed keys");
   module.def("backward", &backward, "flash backward: (dq, dk, dv, dslopes), float32");

@@ -1,9 +1,10 @@
-"""flash's entry point for calls with a ``score_mod`` or ``mask_mod``: a forward pass that no
-backward pass follows runs on the compiled kernel with the mods' programs where it takes the
-call (``program_call.py``), else the loop with a ``TileMods`` (``mods.py``), through flash's
-one autograd function (``autograd.py``) with the tensors the score_mod captures
-(``qkv.mods.captured_tensors``) among its inputs, so that their gradients come back. Sinks and
-ALiBi slopes as in every flash call (``passes``). Legend: B batch, Hq query heads.
+"""flash's entry point for calls with a ``score_mod`` or ``mask_mod``: forward and backward
+passes on the compiled kernel with the mods' programs where it takes the call
+(``program_call.py``; with gradients: no sinks, no captured tensor that needs one), else
+the loop with a ``TileMods`` (``mods.py``), through flash's one autograd function
+(``autograd.py``) with the tensors the score_mod captures (``qkv.mods.captured_tensors``) among
+its inputs, so that their gradients come back. Sinks and ALiBi slopes as in every flash call
+(``passes``). Legend: B batch, Hq query heads.
 """
 
 from __future__ import annotations
@@ -35,7 +36,12 @@ def attention(call: Call) -> tuple[torch.Tensor, None, torch.Tensor | None]:
     )
     if needs:
         options = autograd.Pass(
-            call.scale, call.causal_offset, call.mask, rules, functools.partial(_tile_mods, call)
+            call.scale,
+            call.causal_offset,
+            call.mask,
+            rules,
+            functools.partial(_tile_mods, call),
+            _Program(call, rules) if rules.sinks is None else None,
         )
         out, lse = autograd.attention(call.q, call.k, call.v, options, tuple(captured))
     else:
@@ -75,3 +81,25 @@ def _forward(
         rules=rules,
         mods=_tile_mods(call, captured, False, differentiable),
     )
+
+
+class _Program:
+    """A call's passes on the kernel with the mods' programs (``program_call``), for flash's
+    autograd function: each gives None where the kernel does not run the call."""
+
+    def __init__(self, call: Call, rules: Rules) -> None:
+        self.call, self.rules = call, rules
+
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(out, lse) in float32, as ``passes.forward`` gives them for a call without sinks."""
+        return program_call.forward(self.call, self.rules, True)
+
+    def backward(
+        self,
+        out: torch.Tensor,
+        grad_out: torch.Tensor,
+        lse: torch.Tensor,
+        grad_lse: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(dq, dk, dv) of the forward pass ``forward`` ran."""
+        return program_call.backward(self.call, self.rules, out, grad_out, lse, grad_lse)

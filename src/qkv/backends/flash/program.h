@@ -54,6 +54,8 @@ struct Code {
   // Per instruction: whether it reads only b, h, j and constants, so that its result holds for
   // every row of a block (run computes it once for consecutive rows of one head and keys).
   std::vector<char> invariant;
+  // Per register: whether its derivative with respect to the score (register 0) may be nonzero.
+  std::vector<char> varies;
 
   bool present() const { return result >= 0; }
 };
@@ -80,9 +82,10 @@ struct Registers {
   void set(int64_t r, float x) { uniform[r] = 1, value[r] = x; }
 };
 
-// A thread's registers for score programs (which = 0) and for mask programs (1).
+// A thread's registers for score programs (which = 0), mask programs (1) and the score
+// programs' tangents (2).
 inline Registers& thread_registers(int which) {
-  thread_local Registers registers[2];
+  thread_local Registers registers[3];
   return registers[which];
 }
 
@@ -207,6 +210,49 @@ inline void step(Registers& r, const int64_t* in, const float* constants,
   }
 }
 
+// The tangent (derivative with respect to the score) of one instruction's result, t[d], from
+// its operands' values (r, before the instruction runs) and tangents (0 where !varies): the
+// chain rule of each op; comparisons, and/or/not, floor, trunc, floor division, wrap and gathers
+// have derivative 0, and where passes on the tangent of the branch it takes.
+inline void tangent_step(Registers& r, Registers& t, const std::vector<char>& varies,
+                         const int64_t* in, int64_t n) {
+  const int64_t d = in[1], a = in[2], b = in[3], c = in[4];
+  if (!varies[d]) return;
+  t.uniform[d] = 0;
+  float* __restrict__ out = t.row(d);
+  const auto T = [&](int64_t x, int64_t j) { return varies[x] ? Vec::loadu(t.row(x) + j) : Vec(0.f); };
+  const auto V = [&](int64_t x, int64_t j) { return r.load(x, j); };
+  const auto each = [&](auto f) {
+    for (int64_t j = 0; j < n; j += kLanes) f(j).store(out + j);
+  };
+  const Vec one(1.f), zero(0.f);
+  switch (in[0]) {
+    case kAdd: return each([&](int64_t j) { return T(a, j) + T(b, j); });
+    case kSub: return each([&](int64_t j) { return T(a, j) - T(b, j); });
+    case kMul: return each([&](int64_t j) { return T(a, j) * V(b, j) + V(a, j) * T(b, j); });
+    case kDiv:
+      return each([&](int64_t j) { return (T(a, j) - V(a, j) / V(b, j) * T(b, j)) / V(b, j); });
+    case kMax: return each([&](int64_t j) { return Vec::blendv(T(b, j), T(a, j), V(a, j) >= V(b, j)); });
+    case kMin: return each([&](int64_t j) { return Vec::blendv(T(b, j), T(a, j), V(a, j) <= V(b, j)); });
+    case kWhere: return each([&](int64_t j) { return Vec::blendv(T(c, j), T(b, j), V(a, j) != zero); });
+    case kNeg: return each([&](int64_t j) { return T(a, j).neg(); });
+    case kAbs: return each([&](int64_t j) { return T(a, j) * (V(a, j).gt(zero) - V(a, j).lt(zero)); });
+    case kExp: return each([&](int64_t j) { return T(a, j) * V(a, j).exp(); });
+    case kLog: return each([&](int64_t j) { return T(a, j) / V(a, j); });
+    case kTanh: return each([&](int64_t j) {
+      const Vec y = tanh_vec(V(a, j));
+      return T(a, j) * (one - y * y);
+    });
+    case kSqrt: return each([&](int64_t j) { return T(a, j) * Vec(0.5f) / V(a, j).sqrt(); });
+    case kSigmoid: return each([&](int64_t j) {
+      const Vec y = one / (one + V(a, j).neg().exp());
+      return T(a, j) * y * (one - y);
+    });
+    case kMod: return each([&](int64_t j) { return T(a, j) - T(b, j) * floor_divide(V(a, j), V(b, j)); });
+    default: return each([&](int64_t) { return zero; });
+  }
+}
+
 // A call's score_mod and mask_mod programs with their tables and block states.
 struct ModProgram {
   Code score, mask;
@@ -219,8 +265,10 @@ struct ModProgram {
 
   // Runs `code` for query i of head z over keys j0 … j0 + n − 1, scores s times s_scale (score
   // code only; nullptr for a mask), and returns the register holding the result.
+  // With tangents t: also each register's derivative with respect to the scaled score (rows of
+  // registers that vary with it; tangent_step).
   int64_t run(const Code& code, Registers& r, const float* s, float s_scale, int64_t n, int64_t z,
-              int64_t i, int64_t j0) const {
+              int64_t i, int64_t j0, Registers* t = nullptr) const {
     r.fit(code.registers);
     const int64_t width = (n + kLanes - 1) / kLanes * kLanes;
     const bool cached = r.program == id && r.z == z && r.j0 == j0 && r.n == width;
@@ -238,8 +286,16 @@ struct ModProgram {
       for (int64_t j = 0; j < width; j += kLanes, key = key + Vec(static_cast<float>(kLanes)))
         key.store(r.row(4) + j);
     }
-    for (int64_t k = 0; k < code.count; ++k)
-      if (!cached || !code.invariant[k]) step(r, code.ops + 5 * k, code.constants, tables, width);
+    if (t != nullptr) {
+      t->fit(code.registers);
+      t->uniform[0] = 0;
+      std::fill(t->row(0), t->row(0) + width, 1.f);
+    }
+    for (int64_t k = 0; k < code.count; ++k) {
+      if (cached && code.invariant[k]) continue;  // (invariant: its tangent is 0)
+      if (t != nullptr) tangent_step(r, *t, code.varies, code.ops + 5 * k, width);
+      step(r, code.ops + 5 * k, code.constants, tables, width);
+    }
     r.program = id, r.z = z, r.j0 = j0, r.n = width;
     return code.result;
   }
@@ -252,6 +308,12 @@ struct ModProgram {
     } else {
       for (int64_t j = 0; j < n; ++j) s[j] *= scale;
     }
+    mask_row(s, n, z, i, j0);
+  }
+
+  // The mask_mod (its block states, its program) on a row of n modified scores: −inf where it
+  // does not keep a pair.
+  void mask_row(float* s, int64_t n, int64_t z, int64_t i, int64_t j0) const {
     if (states == nullptr) {
       if (mask.present()) block(thread_registers(1), s, n, z, i, j0);
       return;
@@ -266,6 +328,37 @@ struct ModProgram {
       j = end;
     }
   }
+
+  // The backward pass's row (backward.h): p holds n scores q · k, dp the row's dO · vᵀ. As
+  // apply, with the score code's tangent ∂mod/∂s: p ← 2^(s' · log2 e − top) and
+  // dp ← p (dp − delta) ∂mod/∂s (0 where p is 0: masked pairs).
+  void gradients(float* p, float* dp, int64_t n, int64_t z, int64_t i, int64_t j0, float top,
+                 float delta) const {
+    Registers& t = thread_registers(2);
+    const float* tangent = nullptr;
+    float constant = 1.f;  // the tangent where it is the same for every key
+    if (score.present()) {
+      Registers& r = thread_registers(0);
+      const int64_t result = run(score, r, p, scale, n, z, i, j0, &t);
+      write(r, result, p, n);
+      if (code_varies(result)) tangent = t.row(result);
+      else constant = 0.f;
+    } else {
+      for (int64_t j = 0; j < n; ++j) p[j] *= scale;
+    }
+    mask_row(p, n, z, i, j0);
+    const Vec vc(kLog2E), vtop(top), vdelta(delta), vconstant(constant), zero(0.f);
+    for (int64_t j = 0; j < n; j += kLanes) {
+      const int64_t count = std::min(kLanes, n - j);
+      const Vec weight = exp2_vec(at::vec::fmsub(Vec::loadu(p + j, count), vc, vtop), kExp2Degree5);
+      const Vec slope = tangent != nullptr ? Vec::loadu(tangent + j, count) : vconstant;
+      const Vec grad = weight * (Vec::loadu(dp + j, count) - vdelta) * slope;
+      weight.store(p + j, count);
+      Vec::blendv(grad, zero, weight == zero).store(dp + j, count);
+    }
+  }
+
+  bool code_varies(int64_t result) const { return score.varies[result] != 0; }
 
   // [begin, end) narrowed to the non-empty state blocks of the query block starting at q0
   // (begin ≥ end: none).
@@ -316,6 +409,18 @@ struct ModProgram {
   }
 };
 
+// Whether instruction `in`'s result may have a nonzero derivative with respect to the score.
+inline bool differentiable(const int64_t* in, const std::vector<char>& varies) {
+  switch (in[0]) {
+    case kAdd: case kSub: case kMul: case kDiv: case kMax: case kMin: case kMod:
+      return varies[in[2]] || varies[in[3]];
+    case kWhere: return varies[in[3]] || varies[in[4]];
+    case kNeg: case kAbs: case kExp: case kLog: case kTanh: case kSqrt: case kSigmoid:
+      return varies[in[2]];
+    default: return false;
+  }
+}
+
 inline Code code_of(const at::Tensor& ops, const at::Tensor& constants, int64_t result) {
   if (result < 0) return {};
   TORCH_CHECK(ops.scalar_type() == at::kLong && ops.is_contiguous() && ops.dim() == 2 &&
@@ -329,8 +434,9 @@ inline Code code_of(const at::Tensor& ops, const at::Tensor& constants, int64_t 
                 "mod program: bad instruction ", k);
     registers = std::max(registers, in[5 * k + 1] + 1);
   }
-  std::vector<char> fixed(registers, 0), invariant(ops.size(0), 0);
+  std::vector<char> fixed(registers, 0), invariant(ops.size(0), 0), varies(registers, 0);
   fixed[1] = fixed[2] = fixed[4] = 1;  // b, h, j: the same for every row of a block
+  varies[0] = 1;                       // the score
   bool reads_keys = result == 4;
   for (int64_t k = 0; k < ops.size(0); ++k) {
     bool all = true;
@@ -341,9 +447,10 @@ inline Code code_of(const at::Tensor& ops, const at::Tensor& constants, int64_t 
       reads_keys = reads_keys || a == 4;
     }
     fixed[in[5 * k + 1]] = invariant[k] = all;
+    varies[in[5 * k + 1]] = differentiable(in + 5 * k, varies);
   }
   return {in, ops.size(0), constants.const_data_ptr<float>(), result, registers, reads_keys,
-          std::move(invariant)};
+          std::move(invariant), std::move(varies)};
 }
 
 // The program of program.py's arguments; the tensors must outlive it.

@@ -14,8 +14,8 @@ with integers beyond 2^24, ...) makes it None, and the call takes the exact path
 ``program_call.py`` runs calls on the programs, with the mask_mod's block states (EMPTY,
 PARTIAL or FULL per QUERY_BLOCK × STATE_BLOCK block over every batch entry and head) telling
 the kernel which key blocks to skip and where to run the mask program, and proves each program
-equal to the eager mods on its first tile before it runs. The backward pass stays on the exact
-path.
+equal to the eager mods on its first tile before it runs, the score program's derivative with
+respect to the score (which the backward pass runs, forward mode) too.
 """
 
 from __future__ import annotations

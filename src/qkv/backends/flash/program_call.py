@@ -1,17 +1,23 @@
-"""flash's forward pass with a score_mod / mask_mod on the compiled kernel, the mods run as
-programs (``program.py``, ``program.h``): no Python per tile.
+"""flash's forward and backward passes with a score_mod / mask_mod on the compiled kernel, the
+mods run as programs (``program.py``, ``program.h``): no Python per tile.
 
 ``forward`` takes a call where the kernel takes its tensors (CPU; float32, bfloat16 or
 float16; at least ``kernel.DECODE_QUERIES`` queries), it has no float mask, no soft-cap and no
 ALiBi slopes beside the mods (their order with the score_mod is the loop's to define), both
-mods have programs, and no backward pass follows (training runs forward and backward on the
-exact path, which keeps what its backward pass needs); else it returns None and the call takes
-the exact path (the loop with ``TileMods``). A ``BlockMask``'s states are used as they are where its
-blocks are multiples of the kernel's 128 × 128 state blocks (otherwise the exact path); a plain
-mask_mod's states are found by evaluating it block by block, once per mask_mod, shape and version of
-the tensors it reads (a small cache). The program is proven equal to the eager mods on the first
-tile of the first call that runs it (``prove``) and the verdict cached per mod and version of the
-tensors they read: a program that differs warns once and those mods keep the exact path.
+mods have programs, and, where a backward pass follows, no tensor the score_mod captures needs
+a gradient (such calls, a learned bias table, run forward and backward on the exact path); else
+it returns None and the call takes the exact path (the loop with ``TileMods``). ``backward``
+then runs the backward pass of such a forward pass on the kernel: each tile's scores recomputed,
+the programs applied as the forward pass applied them, and the score program's derivative with
+respect to the score (forward mode, ``program.h``) multiplying the scores' gradient.
+
+A ``BlockMask``'s states are used as they are where its blocks are multiples of the kernel's
+128 × 128 state blocks (otherwise the exact path); a plain mask_mod's states are found by
+evaluating it block by block, once per mask_mod, shape and version of the tensors it reads (a
+small cache). The program is proven equal to the eager mods on the first tile of the first call
+that runs it (``prove``; the score program's derivative against ``torch.autograd`` too) and the
+verdict cached per mod and version of the tensors they read: a program that differs warns once
+and those mods keep the exact path.
 
 ``ENABLED = False`` (env ``QKV_FLEX_PROGRAM=0``) sends every call to the exact path.
 """
@@ -54,23 +60,14 @@ def forward(
     call: Call, rules: Rules, differentiable: bool
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(out (*B, Hq, Lq, Dv) float32, lse (*B, Hq, Lq)) without sinks, on the kernel with the
-    mods' program, or None where it does not run this call (see the module doc; a pass that a
-    backward pass follows, ``differentiable``, stays on the exact path with it)."""
+    mods' program, or None where it does not run this call (see the module doc;
+    ``differentiable``: a backward pass follows)."""
     q, k, v = call.q, call.k, call.v
-    if differentiable or not _takes(call, rules):
+    plan = _plan(call, rules, differentiable)
+    if plan is None:
         return None
-    *batch, hq, lq, lk = call.scores_shape
-    ranges = kernel_ranges(rules.segments, tuple(batch), hq, lq)
-    parts = _mask_parts(call.rules.mask_mod)
-    if ranges is None or parts is None:
-        return None
-    mask_fn, block_states = parts
-    program = _program(call, call.rules.score_mod, mask_fn)
-    if program is None:
-        return None
-    states = torch.empty(0, 0, dtype=torch.int8)
-    if block_states is not None and flash_mods.skipping():
-        states = block_states((math.prod(batch), hq, lq, lk))
+    program, states, ranges = plan
+    *_, hq, lq, _ = call.scores_shape
     offset, window = call.causal_offset, rules.window_offset
     low = q.dtype == torch.bfloat16 and kernel.bfloat16_products()
     q_flat, k_flat, v_flat, batch_shape = flat_heads(
@@ -94,6 +91,77 @@ def forward(
         hq,
     )
     return out.view(*batch_shape, hq, *out.shape[1:]), lse.view(*batch_shape, hq, lq)
+
+
+def backward(
+    call: Call,
+    rules: Rules,
+    out: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_lse: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(dq, dk, dv) float32 with the shapes of q, k and v, of a call whose forward pass ran on
+    ``forward`` with a backward pass to follow (out, lse as it gave them; grad_lse: None for
+    none), or None where the kernel does not run it (q, k, v of different batch shapes)."""
+    q, k, v = call.q, call.k, call.v
+    plan = _plan(call, rules, True)
+    if plan is None or not q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
+        return None
+    program, states, ranges = plan
+    f32, hq = torch.float32, call.scores_shape[-3]
+    q_flat, k_flat, v_flat, _ = flat_heads(q, k, v, f32)
+    rows = q_flat.flatten(0, 1).shape  # (N·g, Lq, Dk)
+    offset, window = call.causal_offset, rules.window_offset
+    module = kernel.load()
+    assert module is not None
+    dq, dk, dv = module.backward_program(
+        q_flat.reshape(rows).contiguous(),
+        k_flat.contiguous(),
+        v_flat.contiguous(),
+        out.to(f32).reshape(*rows[:2], -1).contiguous(),
+        grad_out.to(f32).reshape(*rows[:2], -1).contiguous(),
+        lse.to(f32).reshape(rows[:2]).contiguous(),
+        torch.empty(0) if grad_lse is None else grad_lse.to(f32).reshape(rows[:2]).contiguous(),
+        call.scale,
+        offset is not None,
+        offset or 0,
+        window is not None,
+        window or 0,
+        *ranges,
+        *program.arguments(),
+        states,
+        hq,
+    )
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+
+
+def _plan(
+    call: Call, rules: Rules, differentiable: bool
+) -> tuple[Program, torch.Tensor, tuple[torch.Tensor, int]] | None:
+    """The call's program, block states and key ranges, or None where it takes the exact path."""
+    if not _takes(call, rules):
+        return None
+    score_mod = call.rules.score_mod
+    if (  # a learned table: its gradient on the exact path
+        differentiable
+        and score_mod is not None
+        and any(t.requires_grad for t in own.captured_tensors(score_mod))
+    ):
+        return None
+    *batch, hq, lq, lk = call.scores_shape
+    ranges = kernel_ranges(rules.segments, tuple(batch), hq, lq)
+    parts = _mask_parts(call.rules.mask_mod)
+    if ranges is None or parts is None:
+        return None
+    mask_fn, block_states = parts
+    program = _program(call, score_mod, mask_fn)
+    if program is None:
+        return None
+    states = torch.empty(0, 0, dtype=torch.int8)
+    if block_states is not None and flash_mods.skipping():
+        states = block_states((math.prod(batch), hq, lq, lk))
+    return program, states, ranges
 
 
 def _takes(call: Call, rules: Rules) -> bool:
@@ -188,14 +256,25 @@ def prove(program: Program, call: Call, score_mod: Any, mask_fn: Any) -> str | N
     scores = scores.reshape(-1, rows, n).contiguous()
     module = kernel.load()
     assert module is not None
-    got, keep = module.evaluate_program(scores, 0, 0, call.scale, *program.arguments(), hq)
+    got, keep, slope = module.evaluate_program(scores, 0, 0, call.scale, *program.arguments(), hq)
     shape = (b, hq, rows, n)
     index = own.indices(b, hq, 0, rows, 0, n, call.q.device)
     if score_mod is not None:
-        expected = score_mod(scores.view(shape) * call.scale, *index)
-        own.checked("score_mod", expected, shape, torch.float32)
-        if not own.same(got.view(shape), expected.expand(shape)):
+        scaled = (scores.view(shape) * call.scale).requires_grad_()
+        with torch.enable_grad():
+            expected = score_mod(scaled, *index)
+            own.checked("score_mod", expected, shape, torch.float32)
+            (derivative,) = (
+                torch.autograd.grad(expected.expand(shape).sum(), scaled, allow_unused=True)
+                if expected.requires_grad
+                else (None,)
+            )
+        if not own.same(got.view(shape), expected.detach().expand(shape)):
             return "score_mod"
+        derivative = torch.zeros(shape) if derivative is None else derivative
+        finite = expected.detach().expand(shape).isfinite()  # (no gradient flows from −inf)
+        if not own.same(slope.view(shape)[finite], derivative[finite]):
+            return "score_mod's derivative"
     if mask_fn is not None:
         allowed = own.checked("mask_mod", mask_fn(*index), shape, torch.bool)
         if not torch.equal(keep.view(shape) != 0, allowed.expand(shape)):
