@@ -37,7 +37,7 @@
 
 namespace {
 
-constexpr int64_t kChunk = 32;        // keys per step of the online softmax
+constexpr int64_t kChunk = 64;        // keys per step of the online softmax (a multiple of kLanes)
 constexpr int64_t kGroupTokens = 8;   // query tokens of one sequence per work item
 constexpr int64_t kItemRows = 128;    // query rows (tokens × heads) an item aims to hold at most
 constexpr int64_t kSplitKeys = 1024;  // the fewest keys a split gets where splits are chosen
@@ -65,62 +65,64 @@ inline Vec load_float(const T* x, int64_t count) {
   }
 }
 
-// q · key over D features, q float32, in one vector of partial sums (summed by the caller).
-template <typename T>
-inline Vec dot_lanes(const float* q, const T* key, int64_t D) {
-  Vec acc(0.f);
-  int64_t d = 0;
-  for (; d + kLanes <= D; d += kLanes) acc = at::vec::fmadd(Vec::loadu(q + d), load_float(key + d), acc);
-  if (d < D) acc = at::vec::fmadd(Vec::loadu(q + d, D - d), load_float(key + d, D - d), acc);
-  return acc;
-}
-
-// acc[r][e0 … e0 + width) += Σ_{j < n} p[r · p_stride + j] · v_j[e0 …] for NR rows (acc rows
-// acc_stride apart), v_j at v[j] + offset; width ≤ 4 vectors, held in registers over the keys.
-template <typename T, int NR>
+// acc[r][e0 … e0 + VN · kLanes) += Σ_{j < n} p[r · p_stride + j] · v_j[e0 …] for NR rows (acc
+// rows acc_stride apart), v_j at v[j] + offset; the last vector only its first `last` lanes
+// unless kFull. The accumulators stay in registers over the keys: every index is fixed at
+// compile time, and the partial vector has its own instance (with it, the compiler keeps the
+// accumulators in memory).
+template <typename T, int NR, int VN, bool kFull>
 inline void add_block(float* acc, int64_t acc_stride, const float* p, int64_t p_stride,
-                      const T* const* v, int64_t offset, int64_t n, int64_t e0, int64_t width) {
-  const int64_t vecs = (width + kLanes - 1) / kLanes;
-  const auto count = [&](int64_t c) { return std::min(kLanes, width - c * kLanes); };
-  Vec a[NR][4];
+                      const T* const* v, int64_t offset, int64_t n, int64_t e0, int64_t last) {
+  const auto load = [&](const float* x, int c) {
+    return kFull || c + 1 < VN ? Vec::loadu(x) : Vec::loadu(x, last);
+  };
+  Vec a[NR][VN];
   for (int r = 0; r < NR; ++r)
-    for (int64_t c = 0; c < vecs; ++c) a[r][c] = Vec::loadu(acc + r * acc_stride + e0 + c * kLanes, count(c));
-  if (width == 4 * kLanes) {
-    for (int64_t j = 0; j < n; ++j) {
-      const T* row = v[j] + offset + e0;
-      const Vec x0 = load_float(row), x1 = load_float(row + kLanes);
-      const Vec x2 = load_float(row + 2 * kLanes), x3 = load_float(row + 3 * kLanes);
-      for (int r = 0; r < NR; ++r) {
-        const Vec w(p[r * p_stride + j]);
-        a[r][0] = at::vec::fmadd(w, x0, a[r][0]), a[r][1] = at::vec::fmadd(w, x1, a[r][1]);
-        a[r][2] = at::vec::fmadd(w, x2, a[r][2]), a[r][3] = at::vec::fmadd(w, x3, a[r][3]);
-      }
-    }
-  } else {
-    for (int64_t j = 0; j < n; ++j) {
-      const T* row = v[j] + offset + e0;
-      for (int64_t c = 0; c < vecs; ++c) {
-        const Vec x = load_float(row + c * kLanes, count(c));
-        for (int r = 0; r < NR; ++r) a[r][c] = at::vec::fmadd(Vec(p[r * p_stride + j]), x, a[r][c]);
-      }
+    for (int c = 0; c < VN; ++c) a[r][c] = load(acc + r * acc_stride + e0 + c * kLanes, c);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* row = v[j] + offset + e0;
+    Vec x[VN];
+    for (int c = 0; c < VN; ++c)
+      x[c] = kFull || c + 1 < VN ? load_float(row + c * kLanes) : load_float(row + c * kLanes, last);
+    for (int r = 0; r < NR; ++r) {
+      const Vec w(p[r * p_stride + j]);
+      for (int c = 0; c < VN; ++c) a[r][c] = at::vec::fmadd(w, x[c], a[r][c]);
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int64_t c = 0; c < vecs; ++c) a[r][c].store(acc + r * acc_stride + e0 + c * kLanes, count(c));
+    for (int c = 0; c < VN; ++c) {
+      float* x = acc + r * acc_stride + e0 + c * kLanes;
+      const Vec sum = a[r][c];  // (a copy: a's own address never escapes)
+      if (kFull || c + 1 < VN) sum.store(x); else sum.store(x, last);
+    }
 }
 
-// acc (rows × Dv) += p (rows × n, rows p_stride apart) · V, value row j at v[j] + offset.
+// acc (rows × Dv, four rows at a time, then one) += p (rows × n) · V, for one piece of VN vectors.
+template <typename T, int VN, bool kFull>
+inline void add_piece(float* acc, const float* p, int64_t p_stride, int64_t rows, const T* const* v,
+                      int64_t offset, int64_t n, int64_t Dv, int64_t e0, int64_t last) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4)
+    add_block<T, 4, VN, kFull>(acc + r * Dv, Dv, p + r * p_stride, p_stride, v, offset, n, e0, last);
+  for (; r < rows; ++r)
+    add_block<T, 1, VN, kFull>(acc + r * Dv, Dv, p + r * p_stride, p_stride, v, offset, n, e0, last);
+}
+
+// Vectors of a value row's piece one add_block holds per query row: its 4 × kValueVecs
+// accumulators, the piece and the weight fit in 16 registers (AVX2 too).
+constexpr int kValueVecs = 2;
+
+// acc (rows × Dv) += p (rows × n, rows p_stride apart) · V, value row j at v[j] + offset: Dv in
+// pieces of kValueVecs whole vectors, then whole vectors, then a partial one.
 template <typename T>
 void add_values(float* acc, const float* p, int64_t p_stride, int64_t rows, const T* const* v,
                 int64_t offset, int64_t n, int64_t Dv) {
-  for (int64_t e0 = 0; e0 < Dv; e0 += 4 * kLanes) {
-    const int64_t width = std::min(4 * kLanes, Dv - e0);
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4)
-      add_block<T, 4>(acc + r * Dv, Dv, p + r * p_stride, p_stride, v, offset, n, e0, width);
-    for (; r < rows; ++r)
-      add_block<T, 1>(acc + r * Dv, Dv, p + r * p_stride, p_stride, v, offset, n, e0, width);
-  }
+  int64_t e0 = 0;
+  for (; e0 + kValueVecs * kLanes <= Dv; e0 += kValueVecs * kLanes)
+    add_piece<T, kValueVecs, true>(acc, p, p_stride, rows, v, offset, n, Dv, e0, kLanes);
+  for (; e0 + kLanes <= Dv; e0 += kLanes)
+    add_piece<T, 1, true>(acc, p, p_stride, rows, v, offset, n, Dv, e0, kLanes);
+  if (e0 < Dv) add_piece<T, 1, false>(acc, p, p_stride, rows, v, offset, n, Dv, e0, Dv - e0);
 }
 
 // A run of keys that lie at the layout's strides: key/value head 0 of its first key, and how many.
@@ -230,56 +232,84 @@ inline void prefetch(const T* x, int64_t n) {
   for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(bytes + b, 0, 2);
 }
 
-// The scores of two keys against n query rows (n rows of D in q), written to s[h · stride] and
-// s[h · stride + 1]: four rows at a time, each key and query vector loaded once for the eight.
+// Lane j of the result: the sum of x[j]'s lanes, for kLanes vectors x (overwritten). Each step
+// adds neighbouring lanes of two vectors at once, so kLanes sums cost kLanes − 1 steps, not
+// kLanes horizontal sums.
+inline Vec sum_each(Vec* x) {
+  for (int64_t n = kLanes; n > 1; n /= 2)
+    for (int64_t i = 0; i < n / 2; ++i) {
+      const auto [even, odd] = at::vec::deinterleave2(x[2 * i], x[2 * i + 1]);
+      x[i] = even + odd;
+    }
+  return x[0];
+}
+
+// The scores of keys j0 … j0 + kLanes − 1 (those below n; key j at keys[j] + offset) against
+// `rows` query rows (D apart in q), stored to s[r · stride + j0 …] (lanes past n: 0): NR rows
+// and KP keys at a time, each key and query vector loaded once for the NR · KP products, the
+// partial sums of the block's keys added up together by sum_each.
+template <typename T, int NR, int KP>
+inline void score_block(const float* q, const T* const* keys, int64_t offset, int64_t j0, int64_t n,
+                        int64_t D, float* s, int64_t stride) {
+  Vec part[NR][kLanes];
+  for (int64_t j = 0; j < kLanes; j += KP) {
+    const T* key[KP];
+    for (int x = 0; x < KP; ++x) key[x] = keys[std::min(j0 + j + x, n - 1)] + offset;
+    Vec a[NR][KP];
+    for (auto& row : a)
+      for (auto& lane : row) lane = Vec(0.f);
+    if (j0 + j < n) {
+      int64_t d = 0;
+      const auto step = [&](int64_t count) {
+        Vec k[KP];
+        for (int x = 0; x < KP; ++x)
+          k[x] = count == kLanes ? load_float(key[x] + d) : load_float(key[x] + d, count);
+        for (int r = 0; r < NR; ++r) {
+          const Vec y = count == kLanes ? Vec::loadu(q + r * D + d) : Vec::loadu(q + r * D + d, count);
+          for (int x = 0; x < KP; ++x) a[r][x] = at::vec::fmadd(y, k[x], a[r][x]);
+        }
+      };
+      for (; d + kLanes <= D; d += kLanes) step(kLanes);
+      if (d < D) step(D - d);
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int x = 0; x < KP; ++x) part[r][j + x] = a[r][x];
+  }
+  for (int r = 0; r < NR; ++r) sum_each(part[r]).store(s + r * stride + j0);
+}
+
+// The scores of one block of keys (score_block's) for n query rows: four rows at a time, then
+// one (with more keys at a time).
 template <typename T>
-inline void pair_scores(const float* q, const T* key0, const T* key1, int64_t n, int64_t D,
-                        float* s, int64_t stride) {
-  int64_t h = 0;
-  for (; h + 4 <= n; h += 4) {
-    const float* q0 = q + h * D;
-    Vec a[4][2];
-    for (auto& row : a) row[0] = row[1] = Vec(0.f);
-    int64_t d = 0;
-    const auto step = [&](int64_t count) {
-      const Vec k0 = count == kLanes ? load_float(key0 + d) : load_float(key0 + d, count);
-      const Vec k1 = count == kLanes ? load_float(key1 + d) : load_float(key1 + d, count);
-      for (int r = 0; r < 4; ++r) {
-        const Vec x = count == kLanes ? Vec::loadu(q0 + r * D + d) : Vec::loadu(q0 + r * D + d, count);
-        a[r][0] = at::vec::fmadd(x, k0, a[r][0]), a[r][1] = at::vec::fmadd(x, k1, a[r][1]);
-      }
-    };
-    for (; d + kLanes <= D; d += kLanes) step(kLanes);
-    if (d < D) step(D - d);
-    for (int r = 0; r < 4; ++r)
-      s[(h + r) * stride] = sum_lanes(a[r][0]), s[(h + r) * stride + 1] = sum_lanes(a[r][1]);
-  }
-  for (; h < n; ++h) {
-    s[h * stride] = sum_lanes(dot_lanes(q + h * D, key0, D));
-    s[h * stride + 1] = sum_lanes(dot_lanes(q + h * D, key1, D));
-  }
+inline void score_rows(const float* q, const T* const* keys, int64_t offset, int64_t j0,
+                       int64_t keys_n, int64_t rows, int64_t D, float* s, int64_t stride) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4)
+    score_block<T, 4, 2>(q + r * D, keys, offset, j0, keys_n, D, s + r * stride, stride);
+  for (; r < rows; ++r)
+    score_block<T, 1, 4>(q + r * D, keys, offset, j0, keys_n, D, s + r * stride, stride);
 }
 
 // One chunk's keys for every row of the item: scores (each key row read once for the rows of its
-// key/value head, two keys at a time; meanwhile the next chunk's rows are asked for, so that
+// key/value head, a block of kLanes keys at a time; meanwhile the next chunk's rows are asked for, so that
 // memory streams while this one computes), weights, then Σ p v.
 template <typename T, typename L>
 void run_chunk(const L& lay, const Item& item, Rows& w, const ChunkRows<T>& now,
                const ChunkRows<T>& next) {
   const int64_t g = lay.Hq / lay.Hkv, per_kv = (item.t1 - item.t0) * g;
   const int64_t heads = item.kv1 - item.kv0, R = per_kv * heads;
-  for (int64_t i = 0; i < now.n; i += 2)
+  for (int64_t j0 = 0; j0 < now.n; j0 += kLanes)
     for (int64_t kv = item.kv0; kv < item.kv1; ++kv) {
-      for (int64_t x = i; x < std::min(i + 2, next.n); ++x) {
+      for (int64_t x = j0; x < std::min(j0 + kLanes, next.n); ++x) {
+        // (rows that follow the one before at the key stride are streamed by the hardware)
+        const T* before = x > 0 ? next.k[x - 1] : now.k[now.n - 1];
+        if (next.k[x] == before + lay.k_key) continue;
         prefetch(next.k[x] + kv * lay.k_head, lay.D);
         prefetch(next.v[x] + kv * lay.v_head, lay.Dv);
       }
       const int64_t row = (kv - item.kv0) * per_kv;
-      float* s = w.s.data() + row * kChunk + i;
-      const T* key = now.k[i] + kv * lay.k_head;
-      // (a lone last key is paired with itself: its twin lands in a column past the chunk's keys)
-      const T* twin = i + 1 < now.n ? now.k[i + 1] + kv * lay.k_head : key;
-      pair_scores(w.q.data() + row * lay.D, key, twin, per_kv, lay.D, s, kChunk);
+      score_rows(w.q.data() + row * lay.D, now.k.data(), kv * lay.k_head, j0, now.n, per_kv,
+                 lay.D, w.s.data() + row * kChunk, kChunk);
     }
   for (int64_t r = 0; r < R; ++r) softmax_step(lay, w, r, now.c0, now.n);
   for (int64_t kv = item.kv0; kv < item.kv1; ++kv) {
