@@ -37,7 +37,7 @@
 
 namespace {
 
-constexpr int64_t kChunk = 64;        // keys per step of the online softmax (a multiple of kLanes)
+constexpr int64_t kChunk = 32;        // keys per step of the online softmax
 constexpr int64_t kGroupTokens = 8;   // query tokens of one sequence per work item
 constexpr int64_t kItemRows = 128;    // query rows (tokens × heads) an item aims to hold at most
 constexpr int64_t kSplitKeys = 1024;  // the fewest keys a split gets where splits are chosen
@@ -63,6 +63,16 @@ inline Vec load_float(const T* x, int64_t count) {
   } else {
     return std::get<0>(at::vec::convert_bfloat16_float(at::vec::Vectorized<T>::loadu(x, count)));
   }
+}
+
+// q · key over D features, q float32, in one vector of partial sums (summed by the caller).
+template <typename T>
+inline Vec dot_lanes(const float* q, const T* key, int64_t D) {
+  Vec acc(0.f);
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes) acc = at::vec::fmadd(Vec::loadu(q + d), load_float(key + d), acc);
+  if (d < D) acc = at::vec::fmadd(Vec::loadu(q + d, D - d), load_float(key + d, D - d), acc);
+  return acc;
 }
 
 // acc[r][e0 … e0 + VN · kLanes) += Σ_{j < n} p[r · p_stride + j] · v_j[e0 …] for NR rows (acc
@@ -232,84 +242,56 @@ inline void prefetch(const T* x, int64_t n) {
   for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(bytes + b, 0, 2);
 }
 
-// Lane j of the result: the sum of x[j]'s lanes, for kLanes vectors x (overwritten). Each step
-// adds neighbouring lanes of two vectors at once, so kLanes sums cost kLanes − 1 steps, not
-// kLanes horizontal sums.
-inline Vec sum_each(Vec* x) {
-  for (int64_t n = kLanes; n > 1; n /= 2)
-    for (int64_t i = 0; i < n / 2; ++i) {
-      const auto [even, odd] = at::vec::deinterleave2(x[2 * i], x[2 * i + 1]);
-      x[i] = even + odd;
-    }
-  return x[0];
-}
-
-// The scores of keys j0 … j0 + kLanes − 1 (those below n; key j at keys[j] + offset) against
-// `rows` query rows (D apart in q), stored to s[r · stride + j0 …] (lanes past n: 0): NR rows
-// and KP keys at a time, each key and query vector loaded once for the NR · KP products, the
-// partial sums of the block's keys added up together by sum_each.
-template <typename T, int NR, int KP>
-inline void score_block(const float* q, const T* const* keys, int64_t offset, int64_t j0, int64_t n,
-                        int64_t D, float* s, int64_t stride) {
-  Vec part[NR][kLanes];
-  for (int64_t j = 0; j < kLanes; j += KP) {
-    const T* key[KP];
-    for (int x = 0; x < KP; ++x) key[x] = keys[std::min(j0 + j + x, n - 1)] + offset;
-    Vec a[NR][KP];
-    for (auto& row : a)
-      for (auto& lane : row) lane = Vec(0.f);
-    if (j0 + j < n) {
-      int64_t d = 0;
-      const auto step = [&](int64_t count) {
-        Vec k[KP];
-        for (int x = 0; x < KP; ++x)
-          k[x] = count == kLanes ? load_float(key[x] + d) : load_float(key[x] + d, count);
-        for (int r = 0; r < NR; ++r) {
-          const Vec y = count == kLanes ? Vec::loadu(q + r * D + d) : Vec::loadu(q + r * D + d, count);
-          for (int x = 0; x < KP; ++x) a[r][x] = at::vec::fmadd(y, k[x], a[r][x]);
-        }
-      };
-      for (; d + kLanes <= D; d += kLanes) step(kLanes);
-      if (d < D) step(D - d);
-    }
-    for (int r = 0; r < NR; ++r)
-      for (int x = 0; x < KP; ++x) part[r][j + x] = a[r][x];
-  }
-  for (int r = 0; r < NR; ++r) sum_each(part[r]).store(s + r * stride + j0);
-}
-
-// The scores of one block of keys (score_block's) for n query rows: four rows at a time, then
-// one (with more keys at a time).
+// The scores of two keys against n query rows (n rows of D in q), written to s[h · stride] and
+// s[h · stride + 1]: four rows at a time, each key and query vector loaded once for the eight.
 template <typename T>
-inline void score_rows(const float* q, const T* const* keys, int64_t offset, int64_t j0,
-                       int64_t keys_n, int64_t rows, int64_t D, float* s, int64_t stride) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4)
-    score_block<T, 4, 2>(q + r * D, keys, offset, j0, keys_n, D, s + r * stride, stride);
-  for (; r < rows; ++r)
-    score_block<T, 1, 4>(q + r * D, keys, offset, j0, keys_n, D, s + r * stride, stride);
+inline void pair_scores(const float* q, const T* key0, const T* key1, int64_t n, int64_t D,
+                        float* s, int64_t stride) {
+  int64_t h = 0;
+  for (; h + 4 <= n; h += 4) {
+    const float* q0 = q + h * D;
+    Vec a[4][2];
+    for (auto& row : a) row[0] = row[1] = Vec(0.f);
+    int64_t d = 0;
+    const auto step = [&](int64_t count) {
+      const Vec k0 = count == kLanes ? load_float(key0 + d) : load_float(key0 + d, count);
+      const Vec k1 = count == kLanes ? load_float(key1 + d) : load_float(key1 + d, count);
+      for (int r = 0; r < 4; ++r) {
+        const Vec x = count == kLanes ? Vec::loadu(q0 + r * D + d) : Vec::loadu(q0 + r * D + d, count);
+        a[r][0] = at::vec::fmadd(x, k0, a[r][0]), a[r][1] = at::vec::fmadd(x, k1, a[r][1]);
+      }
+    };
+    for (; d + kLanes <= D; d += kLanes) step(kLanes);
+    if (d < D) step(D - d);
+    for (int r = 0; r < 4; ++r)
+      s[(h + r) * stride] = sum_lanes(a[r][0]), s[(h + r) * stride + 1] = sum_lanes(a[r][1]);
+  }
+  for (; h < n; ++h) {
+    s[h * stride] = sum_lanes(dot_lanes(q + h * D, key0, D));
+    s[h * stride + 1] = sum_lanes(dot_lanes(q + h * D, key1, D));
+  }
 }
 
 // One chunk's keys for every row of the item: scores (each key row read once for the rows of its
-// key/value head, a block of kLanes keys at a time; meanwhile the next chunk's rows are asked for, so that
+// key/value head, two keys at a time; meanwhile the next chunk's rows are asked for, so that
 // memory streams while this one computes), weights, then Σ p v.
 template <typename T, typename L>
 void run_chunk(const L& lay, const Item& item, Rows& w, const ChunkRows<T>& now,
                const ChunkRows<T>& next) {
   const int64_t g = lay.Hq / lay.Hkv, per_kv = (item.t1 - item.t0) * g;
   const int64_t heads = item.kv1 - item.kv0, R = per_kv * heads;
-  for (int64_t j0 = 0; j0 < now.n; j0 += kLanes)
+  for (int64_t i = 0; i < now.n; i += 2)
     for (int64_t kv = item.kv0; kv < item.kv1; ++kv) {
-      for (int64_t x = j0; x < std::min(j0 + kLanes, next.n); ++x) {
-        // (rows that follow the one before at the key stride are streamed by the hardware)
-        const T* before = x > 0 ? next.k[x - 1] : now.k[now.n - 1];
-        if (next.k[x] == before + lay.k_key) continue;
+      for (int64_t x = i; x < std::min(i + 2, next.n); ++x) {
         prefetch(next.k[x] + kv * lay.k_head, lay.D);
         prefetch(next.v[x] + kv * lay.v_head, lay.Dv);
       }
       const int64_t row = (kv - item.kv0) * per_kv;
-      score_rows(w.q.data() + row * lay.D, now.k.data(), kv * lay.k_head, j0, now.n, per_kv,
-                 lay.D, w.s.data() + row * kChunk, kChunk);
+      float* s = w.s.data() + row * kChunk + i;
+      const T* key = now.k[i] + kv * lay.k_head;
+      // (a lone last key is paired with itself: its twin lands in a column past the chunk's keys)
+      const T* twin = i + 1 < now.n ? now.k[i + 1] + kv * lay.k_head : key;
+      pair_scores(w.q.data() + row * lay.D, key, twin, per_kv, lay.D, s, kChunk);
     }
   for (int64_t r = 0; r < R; ++r) softmax_step(lay, w, r, now.c0, now.n);
   for (int64_t kv = item.kv0; kv < item.kv1; ++kv) {
