@@ -5,6 +5,7 @@
     qkv bench --quick                           # a small subset in about a minute
     qkv bench --json out.json --plot out.png    # record the results
     qkv bench --decode                          # decoding's GB/s vs memory's; KV cache vs recompute
+    qkv bench --decode-wall                     # decoding's GB/s vs memory's only
     qkv bench --memory-check                    # peak memory of a T = 32768 causal step
     qkv bench --auto                            # the calls that decide what "auto" picks
     qkv bench --arguments 4096                  # sinks, softcap, ALiBi, windows, documents
@@ -114,6 +115,11 @@ def configure_only_modes(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="only: decoding's K+V bytes per second against the read bandwidth, then KV-cache "
         "decoding vs recomputing the prefix",
+    )
+    add(
+        "--decode-wall",
+        action="store_true",
+        help="only: decoding's K+V bytes per second against the read bandwidth (no layer stack)",
     )
     add("--decode-tokens", type=positive, default=512, help="tokens to decode (512)")
     add("--auto", action="store_true", help='only: every backend on what decides backend="auto"')
@@ -231,11 +237,12 @@ def run(args: argparse.Namespace) -> int:
         record["memory_check"], record["memory_check_arguments"] = checks[0], checks[1:]
         for check in checks:
             print(memory.format_memory_check(check), flush=True)
-    elif args.decode:
+    elif args.decode or args.decode_wall:
         record["decode_wall"] = wall_bench.wall_benchmark(args.repeats)
         print(wall_bench.format_wall(record["decode_wall"]), flush=True)
-        record["decode"] = decode.decode_benchmark(args.decode_tokens, repeats=args.repeats)
-        print(decode.format_decode(record["decode"]))
+        if args.decode:
+            record["decode"] = decode.decode_benchmark(args.decode_tokens, repeats=args.repeats)
+            print(decode.format_decode(record["decode"]))
     elif args.auto:
         record["auto"] = auto.auto_benchmark(args.repeats)
         print(auto.format_auto(record["auto"]))

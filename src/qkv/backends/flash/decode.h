@@ -78,52 +78,64 @@ inline Vec dot_lanes(const float* q, const T* key, int64_t D) {
   return acc;
 }
 
-// acc[r][e0 … e0 + width) += Σ_{j < n} p[r · p_stride + j] · v_j[e0 …] for NR rows (acc rows
-// acc_stride apart), v_j at v[j] + offset; width ≤ 4 vectors, held in registers over the keys.
-template <typename T, int NR>
+// acc[r][e0 … e0 + VN · kLanes) += Σ_{j < n} p[r · p_stride + j] · v_j[e0 …] for NR rows (acc
+// rows acc_stride apart), v_j at v[j] + offset; the last vector only its first `last` lanes
+// unless kFull. The accumulators stay in registers over the keys: every index is fixed at
+// compile time, and the partial vector has its own instance (with it, the compiler keeps the
+// accumulators in memory).
+template <typename T, int NR, int VN, bool kFull>
 inline void add_block(float* acc, int64_t acc_stride, const float* p, int64_t p_stride,
-                      const T* const* v, int64_t offset, int64_t n, int64_t e0, int64_t width) {
-  const int64_t vecs = (width + kLanes - 1) / kLanes;
-  const auto count = [&](int64_t c) { return std::min(kLanes, width - c * kLanes); };
-  Vec a[NR][4];
+                      const T* const* v, int64_t offset, int64_t n, int64_t e0, int64_t last) {
+  const auto load = [&](const float* x, int c) {
+    return kFull || c + 1 < VN ? Vec::loadu(x) : Vec::loadu(x, last);
+  };
+  Vec a[NR][VN];
   for (int r = 0; r < NR; ++r)
-    for (int64_t c = 0; c < vecs; ++c) a[r][c] = Vec::loadu(acc + r * acc_stride + e0 + c * kLanes, count(c));
-  if (width == 4 * kLanes) {
-    for (int64_t j = 0; j < n; ++j) {
-      const T* row = v[j] + offset + e0;
-      const Vec x0 = load_float(row), x1 = load_float(row + kLanes);
-      const Vec x2 = load_float(row + 2 * kLanes), x3 = load_float(row + 3 * kLanes);
-      for (int r = 0; r < NR; ++r) {
-        const Vec w(p[r * p_stride + j]);
-        a[r][0] = at::vec::fmadd(w, x0, a[r][0]), a[r][1] = at::vec::fmadd(w, x1, a[r][1]);
-        a[r][2] = at::vec::fmadd(w, x2, a[r][2]), a[r][3] = at::vec::fmadd(w, x3, a[r][3]);
-      }
-    }
-  } else {
-    for (int64_t j = 0; j < n; ++j) {
-      const T* row = v[j] + offset + e0;
-      for (int64_t c = 0; c < vecs; ++c) {
-        const Vec x = load_float(row + c * kLanes, count(c));
-        for (int r = 0; r < NR; ++r) a[r][c] = at::vec::fmadd(Vec(p[r * p_stride + j]), x, a[r][c]);
-      }
+    for (int c = 0; c < VN; ++c) a[r][c] = load(acc + r * acc_stride + e0 + c * kLanes, c);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* row = v[j] + offset + e0;
+    Vec x[VN];
+    for (int c = 0; c < VN; ++c)
+      x[c] = kFull || c + 1 < VN ? load_float(row + c * kLanes) : load_float(row + c * kLanes, last);
+    for (int r = 0; r < NR; ++r) {
+      const Vec w(p[r * p_stride + j]);
+      for (int c = 0; c < VN; ++c) a[r][c] = at::vec::fmadd(w, x[c], a[r][c]);
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int64_t c = 0; c < vecs; ++c) a[r][c].store(acc + r * acc_stride + e0 + c * kLanes, count(c));
+    for (int c = 0; c < VN; ++c) {
+      float* x = acc + r * acc_stride + e0 + c * kLanes;
+      const Vec sum = a[r][c];  // (a copy: a's own address never escapes)
+      if (kFull || c + 1 < VN) sum.store(x); else sum.store(x, last);
+    }
 }
 
-// acc (rows × Dv) += p (rows × n, rows p_stride apart) · V, value row j at v[j] + offset.
+// acc (rows × Dv, four rows at a time, then one) += p (rows × n) · V, for one piece of VN vectors.
+template <typename T, int VN, bool kFull>
+inline void add_piece(float* acc, const float* p, int64_t p_stride, int64_t rows, const T* const* v,
+                      int64_t offset, int64_t n, int64_t Dv, int64_t e0, int64_t last) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4)
+    add_block<T, 4, VN, kFull>(acc + r * Dv, Dv, p + r * p_stride, p_stride, v, offset, n, e0, last);
+  for (; r < rows; ++r)
+    add_block<T, 1, VN, kFull>(acc + r * Dv, Dv, p + r * p_stride, p_stride, v, offset, n, e0, last);
+}
+
+// Vectors of a value row's piece one add_block holds per query row: its 4 × kValueVecs
+// accumulators, the piece and the weight fit in 16 registers (AVX2 too).
+constexpr int kValueVecs = 2;
+
+// acc (rows × Dv) += p (rows × n, rows p_stride apart) · V, value row j at v[j] + offset: Dv in
+// pieces of kValueVecs whole vectors, then whole vectors, then a partial one.
 template <typename T>
 void add_values(float* acc, const float* p, int64_t p_stride, int64_t rows, const T* const* v,
                 int64_t offset, int64_t n, int64_t Dv) {
-  for (int64_t e0 = 0; e0 < Dv; e0 += 4 * kLanes) {
-    const int64_t width = std::min(4 * kLanes, Dv - e0);
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4)
-      add_block<T, 4>(acc + r * Dv, Dv, p + r * p_stride, p_stride, v, offset, n, e0, width);
-    for (; r < rows; ++r)
-      add_block<T, 1>(acc + r * Dv, Dv, p + r * p_stride, p_stride, v, offset, n, e0, width);
-  }
+  int64_t e0 = 0;
+  for (; e0 + kValueVecs * kLanes <= Dv; e0 += kValueVecs * kLanes)
+    add_piece<T, kValueVecs, true>(acc, p, p_stride, rows, v, offset, n, Dv, e0, kLanes);
+  for (; e0 + kLanes <= Dv; e0 += kLanes)
+    add_piece<T, 1, true>(acc, p, p_stride, rows, v, offset, n, Dv, e0, kLanes);
+  if (e0 < Dv) add_piece<T, 1, false>(acc, p, p_stride, rows, v, offset, n, Dv, e0, Dv - e0);
 }
 
 // A run of keys that lie at the layout's strides: key/value head 0 of its first key, and how many.
