@@ -387,11 +387,32 @@ def backward(
         return None
     kernel = load()
     assert kernel is not None  # built by takes
+    dq, dk, dv, dslopes = kernel.backward(
+        *backward_tensors(q, k, v, out, grad_out, lse, grad_lse),
+        scale,
+        *_rule_arguments(causal_offset, window_offset, ranges, softcap, slopes),
+    )
+    grads = dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+    return (*grads, None if slopes is None else dslopes)
+
+
+def backward_tensors(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_lse: torch.Tensor | None,
+) -> tuple[torch.Tensor, ...]:
+    """The tensors a compiled backward pass takes first, float32 and contiguous: q as (N·g, Lq,
+    Dk) rows, k and v as (N, Lk, D), out and grad_out as (N·g, Lq, Dv), lse and grad_lse as
+    (N·g, Lq) (an empty tensor for no grad_lse)."""
     f32 = torch.float32
     q_flat, k_flat, v_flat, _ = flat_heads(q, k, v, f32)
     rows = q_flat.flatten(0, 1).shape  # (N·g, Lq, Dk)
     no_lse = torch.empty(0)
-    dq, dk, dv, dslopes = kernel.backward(
+    return (
         q_flat.reshape(rows).contiguous(),
         k_flat.contiguous(),
         v_flat.contiguous(),
@@ -399,11 +420,7 @@ def backward(
         grad_out.to(f32).reshape(*rows[:2], -1).contiguous(),
         lse.to(f32).reshape(rows[:2]).contiguous(),
         no_lse if grad_lse is None else grad_lse.to(f32).reshape(rows[:2]).contiguous(),
-        scale,
-        *_rule_arguments(causal_offset, window_offset, ranges, softcap, slopes),
     )
-    grads = dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
-    return (*grads, None if slopes is None else dslopes)
 
 
 def _rule_arguments(

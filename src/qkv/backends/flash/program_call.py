@@ -109,20 +109,12 @@ def backward(
     if plan is None or not q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
         return None
     program, states, ranges = plan
-    f32, hq = torch.float32, call.scores_shape[-3]
-    q_flat, k_flat, v_flat, _ = flat_heads(q, k, v, f32)
-    rows = q_flat.flatten(0, 1).shape  # (N·g, Lq, Dk)
+    hq = call.scores_shape[-3]
     offset, window = call.causal_offset, rules.window_offset
     module = kernel.load()
     assert module is not None
     dq, dk, dv = module.backward_program(
-        q_flat.reshape(rows).contiguous(),
-        k_flat.contiguous(),
-        v_flat.contiguous(),
-        out.to(f32).reshape(*rows[:2], -1).contiguous(),
-        grad_out.to(f32).reshape(*rows[:2], -1).contiguous(),
-        lse.to(f32).reshape(rows[:2]).contiguous(),
-        torch.empty(0) if grad_lse is None else grad_lse.to(f32).reshape(rows[:2]).contiguous(),
+        *kernel.backward_tensors(q, k, v, out, grad_out, lse, grad_lse),
         call.scale,
         offset is not None,
         offset or 0,
