@@ -9,7 +9,10 @@
 // (flash-decoding): each split gives partial (acc, m, l) per row,
 // merged exactly through their log-sum-exps. Chunks and splits start at multiples of kChunk
 // counted from key 0, whatever layout holds the keys: two layouts with the same keys run the very
-// same arithmetic. float32 throughout: bfloat16 inputs are widened as they are read.
+// same arithmetic. float32 throughout: bfloat16 inputs are widened as they are read. A chunk's
+// scores take a block of query rows × keys at a time and sum their dot products across lanes
+// together (lane_sums); while a chunk's scores are computed the next chunk's key rows are asked
+// for from memory, while its values are summed the next chunk's value rows.
 //
 // A Layout gives the core a call's sizes and where things lie: Hq, Hkv, D, Dv, kv_limit (the most
 // key/value heads one item may take), c (the exponent scale), scored (score rules); per query
@@ -34,6 +37,7 @@
 #include <limits>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -68,57 +72,86 @@ inline Vec load_float(const T* x, int64_t count) {
   }
 }
 
-// q · key over D features, q float32, in one vector of partial sums (summed by the caller).
+// Asks for the cache lines of n values (of type T) from x, into the cache levels near the core.
 template <typename T>
-inline Vec dot_lanes(const float* q, const T* key, int64_t D) {
-  Vec acc(0.f);
-  int64_t d = 0;
-  for (; d + kLanes <= D; d += kLanes) acc = at::vec::fmadd(Vec::loadu(q + d), load_float(key + d), acc);
-  if (d < D) acc = at::vec::fmadd(Vec::loadu(q + d, D - d), load_float(key + d, D - d), acc);
-  return acc;
+inline void prefetch(const T* x, int64_t n) {
+  const char* bytes = reinterpret_cast<const char*>(x);
+  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(bytes + b, 0, 2);
 }
 
-// acc[r][e0 … e0 + VN · kLanes) += Σ_{j < n} p[r · p_stride + j] · v_j[e0 …] for NR rows (acc
-// rows acc_stride apart), v_j at v[j] + offset; the last vector only its first `last` lanes
-// unless kFull. The accumulators stay in registers over the keys: every index is fixed at
-// compile time, and the partial vector has its own instance (with it, the compiler keeps the
-// accumulators in memory).
+// The value rows of the next chunk to ask for while a chunk's values are summed: row j at
+// v[j] + offset, Dv values each, j < n (n 0: none).
+template <typename T>
+struct Ahead {
+  const T* const* v = nullptr;
+  int64_t n = 0, offset = 0, Dv = 0;
+};
+
+// acc[r][e0 … e0 + VN · kLanes) += Σ_{j < n} p[r · p_stride + j] · v_j[e0 …] for NR rows (NR 1
+// or 4, acc rows acc_stride apart; VN 1 or 2 vectors), v_j at v[j] + offset; the last vector only
+// its first `last` lanes unless kFull. The accumulators are named variables, not an array: an
+// array of vectors is kept in memory by the compiler (a store per multiply-add), variables stay
+// in registers over the keys.
 template <typename T, int NR, int VN, bool kFull>
 inline void add_block(float* acc, int64_t acc_stride, const float* p, int64_t p_stride,
-                      const T* const* v, int64_t offset, int64_t n, int64_t e0, int64_t last) {
-  const auto load = [&](const float* x, int c) {
-    return kFull || c + 1 < VN ? Vec::loadu(x) : Vec::loadu(x, last);
+                      const T* const* v, int64_t offset, int64_t n, int64_t e0, int64_t last,
+                      const Ahead<T>& ahead) {
+  static_assert((NR == 1 || NR == 4) && (VN == 1 || VN == 2));
+  const auto full = [](int c) { return kFull || c + 1 < VN; };
+  const auto load = [&](int r, int c) {
+    const float* x = acc + r * acc_stride + e0 + c * kLanes;
+    return full(c) ? Vec::loadu(x) : Vec::loadu(x, last);
   };
-  Vec a[NR][VN];
-  for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < VN; ++c) a[r][c] = load(acc + r * acc_stride + e0 + c * kLanes, c);
+  const auto store = [&](const Vec& sum, int r, int c) {
+    float* x = acc + r * acc_stride + e0 + c * kLanes;
+    if (full(c)) sum.store(x); else sum.store(x, last);
+  };
+  Vec a00 = load(0, 0), a01, a10, a11, a20, a21, a30, a31;
+  if constexpr (VN == 2) a01 = load(0, 1);
+  if constexpr (NR == 4) {
+    a10 = load(1, 0), a20 = load(2, 0), a30 = load(3, 0);
+    if constexpr (VN == 2) a11 = load(1, 1), a21 = load(2, 1), a31 = load(3, 1);
+  }
   for (int64_t j = 0; j < n; ++j) {
+    if (j < ahead.n) prefetch(ahead.v[j] + ahead.offset, ahead.Dv);
     const T* row = v[j] + offset + e0;
-    Vec x[VN];
-    for (int c = 0; c < VN; ++c)
-      x[c] = kFull || c + 1 < VN ? load_float(row + c * kLanes) : load_float(row + c * kLanes, last);
-    for (int r = 0; r < NR; ++r) {
-      const Vec w(p[r * p_stride + j]);
-      for (int c = 0; c < VN; ++c) a[r][c] = at::vec::fmadd(w, x[c], a[r][c]);
+    const Vec x0 = full(0) ? load_float(row) : load_float(row, last);
+    Vec x1;
+    if constexpr (VN == 2) x1 = kFull ? load_float(row + kLanes) : load_float(row + kLanes, last);
+    const Vec w0(p[j]);
+    a00 = at::vec::fmadd(w0, x0, a00);
+    if constexpr (VN == 2) a01 = at::vec::fmadd(w0, x1, a01);
+    if constexpr (NR == 4) {
+      const Vec w1(p[p_stride + j]), w2(p[2 * p_stride + j]), w3(p[3 * p_stride + j]);
+      a10 = at::vec::fmadd(w1, x0, a10), a20 = at::vec::fmadd(w2, x0, a20);
+      a30 = at::vec::fmadd(w3, x0, a30);
+      if constexpr (VN == 2) {
+        a11 = at::vec::fmadd(w1, x1, a11), a21 = at::vec::fmadd(w2, x1, a21);
+        a31 = at::vec::fmadd(w3, x1, a31);
+      }
     }
   }
-  for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < VN; ++c) {
-      float* x = acc + r * acc_stride + e0 + c * kLanes;
-      const Vec sum = a[r][c];  // (a copy: a's own address never escapes)
-      if (kFull || c + 1 < VN) sum.store(x); else sum.store(x, last);
-    }
+  store(a00, 0, 0);
+  if constexpr (VN == 2) store(a01, 0, 1);
+  if constexpr (NR == 4) {
+    store(a10, 1, 0), store(a20, 2, 0), store(a30, 3, 0);
+    if constexpr (VN == 2) store(a11, 1, 1), store(a21, 2, 1), store(a31, 3, 1);
+  }
 }
 
 // acc (rows × Dv, four rows at a time, then one) += p (rows × n) · V, for one piece of VN vectors.
 template <typename T, int VN, bool kFull>
 inline void add_piece(float* acc, const float* p, int64_t p_stride, int64_t rows, const T* const* v,
-                      int64_t offset, int64_t n, int64_t Dv, int64_t e0, int64_t last) {
+                      int64_t offset, int64_t n, int64_t Dv, int64_t e0, int64_t last,
+                      const Ahead<T>& ahead) {
+  const Ahead<T> none{};
   int64_t r = 0;
   for (; r + 4 <= rows; r += 4)
-    add_block<T, 4, VN, kFull>(acc + r * Dv, Dv, p + r * p_stride, p_stride, v, offset, n, e0, last);
+    add_block<T, 4, VN, kFull>(acc + r * Dv, Dv, p + r * p_stride, p_stride, v, offset, n, e0, last,
+                               r == 0 ? ahead : none);
   for (; r < rows; ++r)
-    add_block<T, 1, VN, kFull>(acc + r * Dv, Dv, p + r * p_stride, p_stride, v, offset, n, e0, last);
+    add_block<T, 1, VN, kFull>(acc + r * Dv, Dv, p + r * p_stride, p_stride, v, offset, n, e0, last,
+                               r == 0 ? ahead : none);
 }
 
 // Vectors of a value row's piece one add_block holds per query row: its 4 × kValueVecs
@@ -129,13 +162,18 @@ constexpr int kValueVecs = 2;
 // pieces of kValueVecs whole vectors, then whole vectors, then a partial one.
 template <typename T>
 void add_values(float* acc, const float* p, int64_t p_stride, int64_t rows, const T* const* v,
-                int64_t offset, int64_t n, int64_t Dv) {
+                int64_t offset, int64_t n, int64_t Dv, const Ahead<T>& ahead) {
+  const Ahead<T> none{};
   int64_t e0 = 0;
   for (; e0 + kValueVecs * kLanes <= Dv; e0 += kValueVecs * kLanes)
-    add_piece<T, kValueVecs, true>(acc, p, p_stride, rows, v, offset, n, Dv, e0, kLanes);
+    add_piece<T, kValueVecs, true>(acc, p, p_stride, rows, v, offset, n, Dv, e0, kLanes,
+                                   e0 == 0 ? ahead : none);
   for (; e0 + kLanes <= Dv; e0 += kLanes)
-    add_piece<T, 1, true>(acc, p, p_stride, rows, v, offset, n, Dv, e0, kLanes);
-  if (e0 < Dv) add_piece<T, 1, false>(acc, p, p_stride, rows, v, offset, n, Dv, e0, Dv - e0);
+    add_piece<T, 1, true>(acc, p, p_stride, rows, v, offset, n, Dv, e0, kLanes,
+                          e0 == 0 ? ahead : none);
+  if (e0 < Dv)
+    add_piece<T, 1, false>(acc, p, p_stride, rows, v, offset, n, Dv, e0, Dv - e0,
+                           e0 == 0 ? ahead : none);
 }
 
 // A run of keys that lie at the layout's strides: key/value head 0 of its first key, and how many.
@@ -238,41 +276,77 @@ void locate(const L& lay, int64_t s, int64_t c0, int64_t c1, ChunkRows<T>& rows)
   }
 }
 
-// Asks for the cache lines of n values (of type T) from x, into the cache levels near the core.
-template <typename T>
-inline void prefetch(const T* x, int64_t n) {
-  const char* bytes = reinterpret_cast<const char*>(x);
-  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(bytes + b, 0, 2);
+// The lane sums of N vectors x[0 … N) (N a power of two, at most kLanes; x is overwritten):
+// lane i of the result is Σ lanes of x[i]. Deinterleaving two vectors and adding the halves puts
+// both vectors' pair sums side by side in one vector; log2(kLanes) such rounds (a lone vector
+// paired with itself once they are one) leave each sum in its own lane. Every sum is the same
+// balanced tree of its own lanes, whatever N and its place among them.
+template <int N>
+[[gnu::always_inline]] inline Vec lane_sums(Vec (&x)[N]) {
+  static_assert(N >= 1 && (N & (N - 1)) == 0 && N <= kLanes);
+  int count = N;
+  for (int width = 1; width < kLanes; width *= 2) {
+    for (int i = 0; i < std::max(count / 2, 1); ++i) {
+      const auto [even, odd] = at::vec::deinterleave2(x[2 * i], count > 1 ? x[2 * i + 1] : x[2 * i]);
+      x[i] = even + odd;
+    }
+    count = std::max(count / 2, 1);
+  }
+  return x[0];
 }
 
-// The scores of two keys against n query rows (n rows of D in q), written to s[h · stride] and
-// s[h · stride + 1]: four rows at a time, each key and query vector loaded once for the eight.
+// Scores of RB query rows (rows of D in q, D apart) against kLanes / RB keys (key k at keys[k]):
+// s[r · stride + k]. Each key vector is loaded (and widened) once for the RB rows, each query
+// vector once for the keys, and the RB × kLanes / RB dot products are summed across their lanes
+// together (lane_sums).
+template <typename T, int RB>
+[[gnu::always_inline]] inline void block_scores(const float* q, const T* const* keys, int64_t D, float* s, int64_t stride) {
+  constexpr int KB = static_cast<int>(kLanes) / RB;
+  Vec a[RB * KB];
+  for (Vec& x : a) x = Vec(0.f);
+  const auto step = [&](int64_t d, int64_t count) {
+    Vec key[KB];
+    for (int k = 0; k < KB; ++k)
+      key[k] = count == kLanes ? load_float(keys[k] + d) : load_float(keys[k] + d, count);
+    for (int r = 0; r < RB; ++r) {
+      const Vec x = count == kLanes ? Vec::loadu(q + r * D + d) : Vec::loadu(q + r * D + d, count);
+      for (int k = 0; k < KB; ++k) a[r * KB + k] = at::vec::fmadd(x, key[k], a[r * KB + k]);
+    }
+  };
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes) step(d, kLanes);
+  if (d < D) step(d, D - d);
+  float sums[kLanes];
+  lane_sums<RB * KB>(a).store(sums);
+  for (int r = 0; r < RB; ++r)
+    for (int k = 0; k < KB; ++k) s[r * stride + k] = sums[r * KB + k];
+}
+
+// Scores of `rows` query rows (from q) against the chunk's keys of one key/value head (key i at
+// keys[i] + offset), into s (rows kChunk apart): rows four, then two, then one at a time, keys
+// kLanes / RB at a time (a block past the chunk's last key repeats that key; its scores land in
+// columns past the keys, which the softmax never reads). With `ahead`, the rows of the next chunk
+// (its keys and values, of this head) are asked for as the first row block goes, so memory
+// streams while this chunk computes.
 template <typename T>
-inline void pair_scores(const float* q, const T* key0, const T* key1, int64_t n, int64_t D,
-                        float* s, int64_t stride) {
-  int64_t h = 0;
-  for (; h + 4 <= n; h += 4) {
-    const float* q0 = q + h * D;
-    Vec a[4][2];
-    for (auto& row : a) row[0] = row[1] = Vec(0.f);
-    int64_t d = 0;
-    const auto step = [&](int64_t count) {
-      const Vec k0 = count == kLanes ? load_float(key0 + d) : load_float(key0 + d, count);
-      const Vec k1 = count == kLanes ? load_float(key1 + d) : load_float(key1 + d, count);
-      for (int r = 0; r < 4; ++r) {
-        const Vec x = count == kLanes ? Vec::loadu(q0 + r * D + d) : Vec::loadu(q0 + r * D + d, count);
-        a[r][0] = at::vec::fmadd(x, k0, a[r][0]), a[r][1] = at::vec::fmadd(x, k1, a[r][1]);
-      }
-    };
-    for (; d + kLanes <= D; d += kLanes) step(kLanes);
-    if (d < D) step(D - d);
-    for (int r = 0; r < 4; ++r)
-      s[(h + r) * stride] = sum_lanes(a[r][0]), s[(h + r) * stride + 1] = sum_lanes(a[r][1]);
-  }
-  for (; h < n; ++h) {
-    s[h * stride] = sum_lanes(dot_lanes(q + h * D, key0, D));
-    s[h * stride + 1] = sum_lanes(dot_lanes(q + h * D, key1, D));
-  }
+void chunk_scores(const float* q, int64_t rows, int64_t D, const ChunkRows<T>& now, int64_t offset,
+                  float* s, const ChunkRows<T>& ahead, int64_t k_offset_ahead) {
+  const auto run = [&](auto block, int64_t r0) {
+    constexpr int RB = decltype(block)::value, KB = static_cast<int>(kLanes) / RB;
+    std::array<const T*, KB> keys;
+    for (int64_t i = 0; i < now.n; i += KB) {
+      if (r0 == 0)
+        for (int64_t x = i; x < std::min(i + KB, ahead.n); ++x) {
+          prefetch(ahead.k[x] + k_offset_ahead, D);
+        }
+      for (int k = 0; k < KB; ++k) keys[k] = now.k[std::min(i + k, now.n - 1)] + offset;
+      block_scores<T, RB>(q + r0 * D, keys.data(), D, s + r0 * kChunk + i, kChunk);
+    }
+  };
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) run(std::integral_constant<int, 4>{}, r);
+  for (; r + 2 <= rows; r += 2) run(std::integral_constant<int, 2>{}, r);
+  for (; r < rows; ++r) run(std::integral_constant<int, 1>{}, r);
 }
 
 // One chunk's keys for every row of the item: scores (each key row read once for the rows of its
@@ -283,24 +357,17 @@ void run_chunk(const L& lay, const Item& item, Rows& w, const ChunkRows<T>& now,
                const ChunkRows<T>& next) {
   const int64_t g = lay.Hq / lay.Hkv, per_kv = (item.t1 - item.t0) * g;
   const int64_t heads = item.kv1 - item.kv0, R = per_kv * heads;
-  for (int64_t i = 0; i < now.n; i += 2)
-    for (int64_t kv = item.kv0; kv < item.kv1; ++kv) {
-      for (int64_t x = i; x < std::min(i + 2, next.n); ++x) {
-        prefetch(next.k[x] + kv * lay.k_head, lay.D);
-        prefetch(next.v[x] + kv * lay.v_head, lay.Dv);
-      }
-      const int64_t row = (kv - item.kv0) * per_kv;
-      float* s = w.s.data() + row * kChunk + i;
-      const T* key = now.k[i] + kv * lay.k_head;
-      // (a lone last key is paired with itself: its twin lands in a column past the chunk's keys)
-      const T* twin = i + 1 < now.n ? now.k[i + 1] + kv * lay.k_head : key;
-      pair_scores(w.q.data() + row * lay.D, key, twin, per_kv, lay.D, s, kChunk);
-    }
+  for (int64_t kv = item.kv0; kv < item.kv1; ++kv) {
+    const int64_t row = (kv - item.kv0) * per_kv;
+    chunk_scores(w.q.data() + row * lay.D, per_kv, lay.D, now, kv * lay.k_head,
+                 w.s.data() + row * kChunk, next, kv * lay.k_head);
+  }
   for (int64_t r = 0; r < R; ++r) softmax_step(lay, w, r, now.c0, now.n);
   for (int64_t kv = item.kv0; kv < item.kv1; ++kv) {
     const int64_t row = (kv - item.kv0) * per_kv;
     add_values(w.acc.data() + row * lay.Dv, w.s.data() + row * kChunk, kChunk, per_kv,
-               now.v.data(), kv * lay.v_head, now.n, lay.Dv);
+               now.v.data(), kv * lay.v_head, now.n, lay.Dv,
+               Ahead<T>{next.v.data(), next.n, kv * lay.v_head, lay.Dv});
   }
 }
 
