@@ -8,6 +8,7 @@
 //   forward.h    the forward recurrence, a query block at a time (its header explains it)
 //   backward.h   the backward pass
 //   decode.h     decoding's one core: a few queries per sequence, K/V read once where they lie
+//   decode_products.h  its products for a chunk of keys: blocks of scores, acc += p · V
 //   paged.h      decode.h's core for packed sequences: a paged KV cache, or keys packed in place
 //   program.h    a score_mod / mask_mod as a program run on each row of scores
 //   program_calls.h  the forward and backward passes with such a program, and the program alone
