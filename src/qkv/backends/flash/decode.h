@@ -154,20 +154,18 @@ void locate(const L& lay, int64_t s, int64_t c0, int64_t c1, ChunkRows<T>& rows)
 // Scores of `rows` query rows (from q) against the chunk's keys of one key/value head (key i at
 // keys[i] + offset), into s (rows kChunk apart): rows four, then two, then one at a time, keys
 // kLanes / RB at a time (a block past the chunk's last key repeats that key; its scores land in
-// columns past the keys, which the softmax never reads). With `ahead`, the rows of the next chunk
-// (its keys and values, of this head) are asked for as the first row block goes, so memory
-// streams while this chunk computes.
+// columns past the keys, which the softmax never reads). The key rows of the next chunk, `ahead`
+// (of this head), are asked for as the first row block goes, so memory streams while this chunk
+// computes.
 template <typename T>
 void chunk_scores(const float* q, int64_t rows, int64_t D, const ChunkRows<T>& now, int64_t offset,
-                  float* s, const ChunkRows<T>& ahead, int64_t k_offset_ahead) {
+                  float* s, const ChunkRows<T>& ahead) {
   const auto run = [&](auto block, int64_t r0) {
     constexpr int RB = decltype(block)::value, KB = static_cast<int>(kLanes) / RB;
     std::array<const T*, KB> keys;
     for (int64_t i = 0; i < now.n; i += KB) {
       if (r0 == 0)
-        for (int64_t x = i; x < std::min(i + KB, ahead.n); ++x) {
-          prefetch(ahead.k[x] + k_offset_ahead, D);
-        }
+        for (int64_t x = i; x < std::min(i + KB, ahead.n); ++x) prefetch(ahead.k[x] + offset, D);
       for (int k = 0; k < KB; ++k) keys[k] = now.k[std::min(i + k, now.n - 1)] + offset;
       block_scores<T, RB>(q + r0 * D, keys.data(), D, s + r0 * kChunk + i, kChunk);
     }
@@ -179,8 +177,9 @@ void chunk_scores(const float* q, int64_t rows, int64_t D, const ChunkRows<T>& n
 }
 
 // One chunk's keys for every row of the item: scores (each key row read once for the rows of its
-// key/value head, two keys at a time; meanwhile the next chunk's rows are asked for, so that
-// memory streams while this one computes), weights, then Σ p v.
+// key/value head; meanwhile the next chunk's key rows are asked for), weights, then Σ p v
+// (meanwhile the next chunk's value rows are asked for), so that memory streams while this one
+// computes.
 template <typename T, typename L>
 void run_chunk(const L& lay, const Item& item, Rows& w, const ChunkRows<T>& now,
                const ChunkRows<T>& next) {
@@ -189,7 +188,7 @@ void run_chunk(const L& lay, const Item& item, Rows& w, const ChunkRows<T>& now,
   for (int64_t kv = item.kv0; kv < item.kv1; ++kv) {
     const int64_t row = (kv - item.kv0) * per_kv;
     chunk_scores(w.q.data() + row * lay.D, per_kv, lay.D, now, kv * lay.k_head,
-                 w.s.data() + row * kChunk, next, kv * lay.k_head);
+                 w.s.data() + row * kChunk, next);
   }
   for (int64_t r = 0; r < R; ++r) softmax_step(lay, w, r, now.c0, now.n);
   for (int64_t kv = item.kv0; kv < item.kv1; ++kv) {
