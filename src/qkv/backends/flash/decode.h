@@ -50,6 +50,10 @@ constexpr int64_t kSplitKeys = 1024;  // the fewest keys a split gets where spli
 // Splits are chosen so that a call has at least kSplitItems work items: a number of the call's
 // sizes alone, never of the thread count, so one thread and many give the same bits.
 constexpr int64_t kSplitItems = 32;
+// Calls that read at most this many bytes of keys and values do not ask for the next chunk's
+// rows ahead: such a cache is likely still in the CPU's caches from its last step, where the
+// requests cost more instructions than they save (a number of the call, never of the CPU).
+constexpr int64_t kStreamBytes = int64_t{4} << 20;
 
 // A run of keys that lie at the layout's strides: key/value head 0 of its first key, and how many.
 template <typename T>
@@ -161,7 +165,7 @@ template <typename T>
 void chunk_scores(const float* q, int64_t rows, int64_t D, const ChunkRows<T>& now, int64_t offset,
                   float* s, const ChunkRows<T>& ahead) {
   const auto run = [&](auto block, int64_t r0) {
-    constexpr int RB = decltype(block)::value, KB = static_cast<int>(kLanes) / RB;
+    constexpr int RB = decltype(block)::value, KB = kBlockKeys<RB>;
     std::array<const T*, KB> keys;
     for (int64_t i = 0; i < now.n; i += KB) {
       if (r0 == 0)
@@ -199,17 +203,20 @@ void run_chunk(const L& lay, const Item& item, Rows& w, const ChunkRows<T>& now,
   }
 }
 
-// The item's rows over its keys, chunk by chunk (chunks end at multiples of kChunk).
+// The item's rows over its keys, chunk by chunk (chunks end at multiples of kChunk). With
+// `stream`, each chunk asks for the next one's rows from memory while it computes.
 template <typename T, typename L>
-void run_item(const L& lay, const Item& item, Rows& w) {
+void run_item(const L& lay, const Item& item, Rows& w, bool stream) {
   gather_rows<T>(lay, item, w);
   const auto end = [&](int64_t c0) { return std::min(item.b, (c0 / kChunk + 1) * kChunk); };
-  ChunkRows<T> now, next;
-  locate(lay, item.s, item.a, end(item.a), now);
-  while (now.n > 0) {
-    const int64_t c1 = now.c0 + now.n;
-    locate(lay, item.s, c1, c1 < item.b ? end(c1) : c1, next);
-    run_chunk<T>(lay, item, w, now, next);
+  ChunkRows<T> chunks[2];
+  const ChunkRows<T> none{};
+  ChunkRows<T>*now = &chunks[0], *next = &chunks[1];
+  locate(lay, item.s, item.a, end(item.a), *now);
+  while (now->n > 0) {
+    const int64_t c1 = now->c0 + now->n;
+    locate(lay, item.s, c1, c1 < item.b ? end(c1) : c1, *next);
+    run_chunk<T>(lay, item, w, *now, stream ? *next : none);
     std::swap(now, next);
   }
 }
@@ -299,8 +306,12 @@ template <typename T, typename L>
 void decode_core(const L& lay, int64_t splits) {
   const std::vector<Item> groups = plan_items(lay, splits);
   const int64_t n = static_cast<int64_t>(groups.size()), g = lay.Hq / lay.Hkv;
-  int64_t R = 1;
-  for (const Item& item : groups) R = std::max(R, (item.t1 - item.t0) * (item.kv1 - item.kv0) * g);
+  int64_t R = 1, bytes = 0;
+  for (const Item& item : groups) {
+    R = std::max(R, (item.t1 - item.t0) * (item.kv1 - item.kv0) * g);
+    bytes += (item.b - item.a) * (item.kv1 - item.kv0) * (lay.D + lay.Dv) * int64_t{sizeof(T)};
+  }
+  const bool stream = bytes > kStreamBytes;
   const int64_t stride = R * (lay.Dv + 2);
   std::vector<float> parts(splits > 1 ? n * splits * stride : 0);
   at::parallel_for(0, n * splits, 1, [&](int64_t begin, int64_t end) {
@@ -308,7 +319,7 @@ void decode_core(const L& lay, int64_t splits) {
     w.resize(R, lay.D, lay.Dv);
     for (int64_t z = begin; z < end; ++z) {
       const Item& item = groups[z / splits];
-      run_item<T>(lay, split_item(item, z % splits, splits), w);
+      run_item<T>(lay, split_item(item, z % splits, splits), w, stream);
       if (splits == 1) {
         finish_rows(lay, item, w);
         continue;

@@ -106,41 +106,69 @@ inline void add_block(float* acc, int64_t acc_stride, const float* p, int64_t p_
   }
 }
 
-// acc (rows × Dv, four rows at a time, then one) += p (rows × n) · V, for one piece of VN vectors.
+// acc (rows × Dv, rows a multiple of four) += p (rows × n) · V, for one piece of VN vectors.
 template <typename T, int VN, bool kFull>
 inline void add_piece(float* acc, const float* p, int64_t p_stride, int64_t rows, const T* const* v,
                       int64_t offset, int64_t n, int64_t Dv, int64_t e0, int64_t last,
                       const Ahead<T>& ahead) {
-  const Ahead<T> none{};
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4)
+  for (int64_t r = 0; r < rows; r += 4)
     add_block<T, 4, VN, kFull>(acc + r * Dv, Dv, p + r * p_stride, p_stride, v, offset, n, e0, last,
-                               r == 0 ? ahead : none);
-  for (; r < rows; ++r)
-    add_block<T, 1, VN, kFull>(acc + r * Dv, Dv, p + r * p_stride, p_stride, v, offset, n, e0, last,
-                               r == 0 ? ahead : none);
+                               r == 0 ? ahead : Ahead<T>{});
+}
+
+// acc[e0 … e0 + VN · kLanes) += Σ_{j < n} p[j] · v_j[e0 …] for one query row, v_j at v[j] +
+// offset: VN whole vectors (64 features: 256 bytes of accumulators, which the compiler keeps in
+// registers over the keys).
+template <typename T, int VN>
+inline void add_row(float* acc, const float* p, const T* const* v, int64_t offset, int64_t n,
+                    int64_t e0, const Ahead<T>& ahead) {
+  Vec a[VN];
+  for (int c = 0; c < VN; ++c) a[c] = Vec::loadu(acc + e0 + c * kLanes);
+  for (int64_t j = 0; j < n; ++j) {
+    if (j < ahead.n) prefetch(ahead.v[j] + ahead.offset, ahead.Dv);
+    const T* row = v[j] + offset + e0;
+    const Vec w(p[j]);
+    for (int c = 0; c < VN; ++c) a[c] = at::vec::fmadd(w, load_float(row + c * kLanes), a[c]);
+  }
+  for (int c = 0; c < VN; ++c) a[c].store(acc + e0 + c * kLanes);
 }
 
 // Vectors of a value row's piece one add_block holds per query row: its 4 × kValueVecs
-// accumulators, the piece and the weight fit in 16 registers (AVX2 too).
+// accumulators, the piece and the weight fit in 16 registers (AVX2 too). A lone row takes
+// kRowVecs at a time (64 features).
 constexpr int kValueVecs = 2;
+constexpr int kRowVecs = static_cast<int>(64 / kLanes);
 
-// acc (rows × Dv) += p (rows × n, rows p_stride apart) · V, value row j at v[j] + offset: Dv in
-// pieces of kValueVecs whole vectors, then whole vectors, then a partial one.
+// acc (rows × Dv) += p (rows × n, rows p_stride apart) · V, value row j at v[j] + offset: rows four
+// at a time, Dv in pieces of kValueVecs whole vectors, then whole vectors, then a partial one;
+// then the rows left one at a time, Dv in pieces of kRowVecs, then as the four.
 template <typename T>
 void add_values(float* acc, const float* p, int64_t p_stride, int64_t rows, const T* const* v,
                 int64_t offset, int64_t n, int64_t Dv, const Ahead<T>& ahead) {
   const Ahead<T> none{};
+  const int64_t four = rows / 4 * 4;
   int64_t e0 = 0;
-  for (; e0 + kValueVecs * kLanes <= Dv; e0 += kValueVecs * kLanes)
-    add_piece<T, kValueVecs, true>(acc, p, p_stride, rows, v, offset, n, Dv, e0, kLanes,
-                                   e0 == 0 ? ahead : none);
-  for (; e0 + kLanes <= Dv; e0 += kLanes)
-    add_piece<T, 1, true>(acc, p, p_stride, rows, v, offset, n, Dv, e0, kLanes,
-                          e0 == 0 ? ahead : none);
-  if (e0 < Dv)
-    add_piece<T, 1, false>(acc, p, p_stride, rows, v, offset, n, Dv, e0, Dv - e0,
-                           e0 == 0 ? ahead : none);
+  if (four > 0) {
+    for (; e0 + kValueVecs * kLanes <= Dv; e0 += kValueVecs * kLanes)
+      add_piece<T, kValueVecs, true>(acc, p, p_stride, four, v, offset, n, Dv, e0, kLanes,
+                                     e0 == 0 ? ahead : none);
+    for (; e0 + kLanes <= Dv; e0 += kLanes)
+      add_piece<T, 1, true>(acc, p, p_stride, four, v, offset, n, Dv, e0, kLanes,
+                            e0 == 0 ? ahead : none);
+    if (e0 < Dv)
+      add_piece<T, 1, false>(acc, p, p_stride, four, v, offset, n, Dv, e0, Dv - e0,
+                             e0 == 0 ? ahead : none);
+  }
+  for (int64_t r = four; r < rows; ++r) {
+    float* a = acc + r * Dv;
+    const float* w = p + r * p_stride;
+    const auto first = [&](int64_t e) { return r == 0 && e == 0 ? ahead : none; };
+    for (e0 = 0; e0 + kRowVecs * kLanes <= Dv; e0 += kRowVecs * kLanes)
+      add_row<T, kRowVecs>(a, w, v, offset, n, e0, first(e0));
+    for (; e0 + kLanes <= Dv; e0 += kLanes)
+      add_block<T, 1, 1, true>(a, Dv, w, p_stride, v, offset, n, e0, kLanes, first(e0));
+    if (e0 < Dv) add_block<T, 1, 1, false>(a, Dv, w, p_stride, v, offset, n, e0, Dv - e0, first(e0));
+  }
 }
 
 // The lane sums of N vectors x[0 … N) (N a power of two, at most kLanes; x is overwritten):
@@ -166,9 +194,12 @@ template <int N>
 // s[r · stride + k]. Each key vector is loaded (and widened) once for the RB rows, each query
 // vector once for the keys, and the RB × kLanes / RB dot products are summed across their lanes
 // together (lane_sums).
+template <int RB>
+constexpr int kBlockKeys = std::min(static_cast<int>(kLanes) / RB, 4);
+
 template <typename T, int RB>
 [[gnu::always_inline]] inline void block_scores(const float* q, const T* const* keys, int64_t D, float* s, int64_t stride) {
-  constexpr int KB = static_cast<int>(kLanes) / RB;
+  constexpr int KB = kBlockKeys<RB>;
   Vec a[RB * KB];
   for (Vec& x : a) x = Vec(0.f);
   const auto step = [&](int64_t d, int64_t count) {
