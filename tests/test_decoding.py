@@ -121,6 +121,19 @@ def test_varlen_paged_and_packed_split_and_unsplit_match_the_oracle(
     assert not results[1, True][0][3].abs().sum()  # the sequence without keys: 0, never NaN
 
 
+def test_a_call_large_enough_to_stream_gives_the_bits_of_smaller_calls() -> None:
+    """A call reading more than 4 MiB of keys and values asks for each next chunk's rows ahead
+    (decode.h's kStreamBytes); one head at a time reads less and does not. The arithmetic is the
+    same: the outputs are equal, and equal the oracle."""
+    q = torch.randn(1, 8, 1, 64)
+    k, v = torch.randn(1, 8, 2100, 64), torch.randn(1, 8, 2100, 64)  # 8.6 MB together
+    whole = qkv.attention(q, k, v, backend="flash")
+    for h in range(8):  # 1.1 MB each
+        part = qkv.attention(q[:, h : h + 1], k[:, h : h + 1], v[:, h : h + 1], backend="flash")
+        assert torch.equal(part[0, 0], whole[0, h])
+    _close(whole, oracle(q, k, v)[0], torch.float32)
+
+
 def test_paged_equals_attention_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
     """A paged sequence and the same keys as one contiguous cache run the very same arithmetic
     (the core's chunks and splits start at the same keys), so the outputs are equal."""
