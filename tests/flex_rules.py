@@ -14,6 +14,13 @@ import torch
 Rule = tuple[Callable[..., Any] | None, Callable[..., Any] | None]
 
 
+def seeded_inputs(shapes: Any, dtype: torch.dtype = torch.float64) -> list[torch.Tensor]:
+    """Tensors of the given shapes (q, k, v): float64 draws from a generator seeded 0, then cast
+    to dtype (so every dtype sees the same values, rounded)."""
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+
+
 def causal(b: Any, h: Any, q: Any, kv: Any) -> Any:
     return q >= kv
 

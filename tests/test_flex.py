@@ -18,6 +18,7 @@ from flex_rules import (
     oracle,
     prefix_lm,
     relative_bias,
+    seeded_inputs,
     sliding_window,
     softcap,
     t5_bias,
@@ -57,9 +58,7 @@ def gym_rules(
 
 
 def inputs(dtype: torch.dtype = torch.float64, hkv: int = H, length: int = L) -> list[Any]:
-    gen = torch.Generator().manual_seed(0)
-    shapes = ((B, H, length, D), (B, hkv, length, D), (B, hkv, length, D))
-    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+    return seeded_inputs(((B, H, length, D), (B, hkv, length, D), (B, hkv, length, D)), dtype)
 
 
 @pytest.fixture(autouse=True)

@@ -26,7 +26,7 @@ from flex_mods import (
     torch_inline_scores,
     torch_lists,
 )
-from flex_rules import oracle
+from flex_rules import oracle, seeded_inputs
 from oracle import TOLERANCE
 from torch.nn.attention import flex_attention as torch_flex
 
@@ -78,9 +78,7 @@ NAMES = list(all_cases(Sizes(B, 2, 300, 37)))
 
 
 def inputs(lq: int, lk: int, hq: int, hkv: int, dtype: torch.dtype = torch.float64) -> Any:
-    gen = torch.Generator().manual_seed(0)
-    shapes = ((B, hq, lq, D), (B, hkv, lk, D), (B, hkv, lk, D))
-    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+    return seeded_inputs(((B, hq, lq, D), (B, hkv, lk, D), (B, hkv, lk, D)), dtype)
 
 
 @pytest.fixture(autouse=True)

@@ -16,6 +16,30 @@
 
 namespace {
 
+// What both passes check of a call with a program: q (NG, Lq, D), k (N, S, D) with N dividing NG
+// and `heads` dividing it too; states, where given, one per (query block, key block of 128).
+inline void check_program_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& states,
+                               int64_t heads) {
+  TORCH_CHECK(k.size(0) > 0 && q.size(0) % k.size(0) == 0, "heads must group");
+  TORCH_CHECK(heads > 0 && q.size(0) % heads == 0, "heads must divide q's heads");
+  TORCH_CHECK(states.numel() == 0 ||
+              (states.dim() == 2 && states.size(0) == (q.size(1) + kQueryBlock - 1) / kQueryBlock &&
+               states.size(1) == (k.size(1) + kStateBlock - 1) / kStateBlock),
+              "mod program: states must be (ceil(Lq / 128), ceil(S / 128))");
+}
+
+// A call's rules with a program: its key bounds, no soft-cap or ALiBi, the program (which must
+// outlive them).
+inline CallRules program_rules(const at::Tensor& q, const at::Tensor& k, double scale, bool causal,
+                               int64_t offset, bool windowed, int64_t window,
+                               const at::Tensor& ranges, int64_t heads_per_range,
+                               const ModProgram& program) {
+  return {static_cast<float>(scale),
+          key_bounds(causal, offset, windowed, window, k.size(1), q.size(1), ranges,
+                     heads_per_range),
+          score_rules(0.0, at::Tensor(), q.size(0), k.size(1), q.size(1)), &program};
+}
+
 // forward (flash_cpu.cpp) with the program of mod_program's arguments in place of soft-capping
 // and ALiBi: returns out (NG, Lq, Dv) and lse (NG, Lq), float32.
 std::vector<at::Tensor> forward_program(
@@ -28,19 +52,12 @@ std::vector<at::Tensor> forward_program(
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "need contiguous");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type());
-  TORCH_CHECK(k.size(0) > 0 && q.size(0) % k.size(0) == 0, "heads must group");
-  TORCH_CHECK(heads > 0 && q.size(0) % heads == 0, "heads must divide q's heads");
-  TORCH_CHECK(states.numel() == 0 ||
-              (states.dim() == 2 && states.size(0) == (q.size(1) + kQueryBlock - 1) / kQueryBlock &&
-               states.size(1) == (k.size(1) + kStateBlock - 1) / kStateBlock),
-              "mod program: states must be (ceil(Lq / 128), ceil(S / 128))");
+  check_program_call(q, k, states, heads);
   const ModProgram program =
       mod_program(score_ops, score_constants, score_result, mask_ops, mask_constants,
                   mask_result, tables, states, heads, scale);
-  const CallRules call{static_cast<float>(scale),
-                       key_bounds(causal, offset, windowed, window, k.size(1), q.size(1), ranges,
-                                  heads_per_range),
-                       score_rules(0.0, at::Tensor(), q.size(0), k.size(1), q.size(1)), &program};
+  const CallRules call = program_rules(q, k, scale, causal, offset, windowed, window, ranges,
+                                       heads_per_range, program);
   const auto path = static_cast<Products>(products);
   if (q.scalar_type() == at::kBFloat16) return forward_impl<at::BFloat16>(q, k, v, call, path);
   TORCH_CHECK(q.scalar_type() == at::kFloat, "float32 or bfloat16");
@@ -60,21 +77,14 @@ std::vector<at::Tensor> backward_program(
     TORCH_CHECK(x->scalar_type() == at::kFloat && x->is_contiguous() && x->dim() >= 2,
                 "backward_program: contiguous float32 tensors");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
-  TORCH_CHECK(k.size(0) > 0 && q.size(0) % k.size(0) == 0, "heads must group");
-  TORCH_CHECK(heads > 0 && q.size(0) % heads == 0, "heads must divide q's heads");
   TORCH_CHECK(dlse.numel() == 0 || (dlse.scalar_type() == at::kFloat && dlse.sizes() == lse.sizes()),
               "dlse: float32 shaped as lse");
-  TORCH_CHECK(states.numel() == 0 ||
-              (states.dim() == 2 && states.size(0) == (q.size(1) + kQueryBlock - 1) / kQueryBlock &&
-               states.size(1) == (k.size(1) + kStateBlock - 1) / kStateBlock),
-              "mod program: states must be (ceil(Lq / 128), ceil(S / 128))");
+  check_program_call(q, k, states, heads);
   const ModProgram program =
       mod_program(score_ops, score_constants, score_result, mask_ops, mask_constants,
                   mask_result, tables, states, heads, scale);
-  const CallRules call{static_cast<float>(scale),
-                       key_bounds(causal, offset, windowed, window, k.size(1), q.size(1), ranges,
-                                  heads_per_range),
-                       score_rules(0.0, at::Tensor(), q.size(0), k.size(1), q.size(1)), &program};
+  const CallRules call = program_rules(q, k, scale, causal, offset, windowed, window, ranges,
+                                       heads_per_range, program);
   std::vector<at::Tensor> grads = backward_impl(q, k, v, out, dout, lse, dlse, call);
   grads.pop_back();  // (no slopes)
   return grads;
