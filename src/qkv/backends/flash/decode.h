@@ -157,7 +157,7 @@ void locate(const L& lay, int64_t s, int64_t c0, int64_t c1, ChunkRows<T>& rows)
 
 // Scores of `rows` query rows (from q) against the chunk's keys of one key/value head (key i at
 // keys[i] + offset), into s (rows kChunk apart): rows four, then two, then one at a time, keys
-// kLanes / RB at a time (a block past the chunk's last key repeats that key; its scores land in
+// kBlockKeys<RB> at a time (a block past the chunk's last key repeats that key; its scores land in
 // columns past the keys, which the softmax never reads). The key rows of the next chunk, `ahead`
 // (of this head), are asked for as the first row block goes, so memory streams while this chunk
 // computes.

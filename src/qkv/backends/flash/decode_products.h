@@ -43,7 +43,8 @@ inline Vec load_float(const T* x, int64_t count) {
 template <typename T>
 inline void prefetch(const T* x, int64_t n) {
   const char* bytes = reinterpret_cast<const char*>(x);
-  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(bytes + b, 0, 2);
+  const int64_t size = n * static_cast<int64_t>(sizeof(T));
+  for (int64_t b = 0; b < size; b += 64) __builtin_prefetch(bytes + b, 0, 2);
 }
 
 // The value rows of the next chunk to ask for while a chunk's values are summed: row j at
@@ -167,7 +168,8 @@ void add_values(float* acc, const float* p, int64_t p_stride, int64_t rows, cons
       add_row<T, kRowVecs>(a, w, v, offset, n, e0, first(e0));
     for (; e0 + kLanes <= Dv; e0 += kLanes)
       add_block<T, 1, 1, true>(a, Dv, w, p_stride, v, offset, n, e0, kLanes, first(e0));
-    if (e0 < Dv) add_block<T, 1, 1, false>(a, Dv, w, p_stride, v, offset, n, e0, Dv - e0, first(e0));
+    if (e0 < Dv)
+      add_block<T, 1, 1, false>(a, Dv, w, p_stride, v, offset, n, e0, Dv - e0, first(e0));
   }
 }
 
@@ -182,7 +184,8 @@ template <int N>
   int count = N;
   for (int width = 1; width < kLanes; width *= 2) {
     for (int i = 0; i < std::max(count / 2, 1); ++i) {
-      const auto [even, odd] = at::vec::deinterleave2(x[2 * i], count > 1 ? x[2 * i + 1] : x[2 * i]);
+      const Vec& other = count > 1 ? x[2 * i + 1] : x[2 * i];
+      const auto [even, odd] = at::vec::deinterleave2(x[2 * i], other);
       x[i] = even + odd;
     }
     count = std::max(count / 2, 1);
@@ -190,15 +193,18 @@ template <int N>
   return x[0];
 }
 
-// Scores of RB query rows (rows of D in q, D apart) against kLanes / RB keys (key k at keys[k]):
-// s[r · stride + k]. Each key vector is loaded (and widened) once for the RB rows, each query
-// vector once for the keys, and the RB × kLanes / RB dot products are summed across their lanes
-// together (lane_sums).
+// Keys per block of scores for RB query rows: RB × KB dot products fit one vector of lane sums,
+// and at most 4 keys, whose addresses the compiler keeps in general registers.
 template <int RB>
 constexpr int kBlockKeys = std::min(static_cast<int>(kLanes) / RB, 4);
 
+// Scores of RB query rows (rows of D in q, D apart) against KB = kBlockKeys<RB> keys (key k at
+// keys[k]): s[r · stride + k]. Each key vector is loaded (and widened) once for the RB rows, each
+// query vector once for the keys, and the RB × KB dot products are summed across their lanes
+// together (lane_sums).
 template <typename T, int RB>
-[[gnu::always_inline]] inline void block_scores(const float* q, const T* const* keys, int64_t D, float* s, int64_t stride) {
+[[gnu::always_inline]] inline void block_scores(const float* q, const T* const* keys, int64_t D,
+                                                float* s, int64_t stride) {
   constexpr int KB = kBlockKeys<RB>;
   Vec a[RB * KB];
   for (Vec& x : a) x = Vec(0.f);
