@@ -134,13 +134,20 @@ def test_a_call_large_enough_to_stream_gives_the_bits_of_smaller_calls() -> None
     _close(whole, oracle(q, k, v)[0], torch.float32)
 
 
-def test_paged_equals_attention_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+# query heads sharing a key/value head (chunks of 32 keys), and one per key/value head (a lone
+# row: chunks of 256 keys, here several and a part of one)
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_paged_equals_attention_bit_for_bit(
+    heads: tuple[int, int], splits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A paged sequence and the same keys as one contiguous cache run the very same arithmetic
     (the core's chunks and splits start at the same keys), so the outputs are equal."""
-    monkeypatch.setattr(kernel, "DECODE_SPLITS", 2)
-    b = batch([1, 1], [77, 203], hq=8, hkv=2, d=64, dv=64)
+    monkeypatch.setattr(kernel, "DECODE_SPLITS", splits)
+    b = batch([1, 1], [77, 603], hq=heads[0], hkv=heads[1], d=64, dv=64)
     paged, _ = _varlen(b, True, {"causal": True})
-    for i, (k0, k1) in enumerate([(0, 77), (77, 280)]):
+    _close(paged, varlen_oracle(b, right=0)[0], torch.float32)
+    for i, (k0, k1) in enumerate([(0, 77), (77, 680)]):
         q = b.query[i : i + 1].transpose(0, 1)[None]  # (1, H_q, 1, D)
         k, v = (x[k0:k1].transpose(0, 1)[None] for x in (b.key, b.value))
         out = qkv.attention(q, k, v, causal=True, backend="flash")

@@ -3,16 +3,18 @@
 // group of up to kGroupTokens query tokens of one sequence, a block of key/value heads, a split of
 // the keys): every query head of its tokens that shares a key/value head is computed together, so
 // each K and V row is read once per call, in the order it lies in memory. Keys are taken a chunk
-// of kChunk at a time with an online softmax (a running maximum m and sum l per query row, in base
-// 2), so no row of scores as long as the cache is ever held. Where the items are fewer than
-// kSplitItems (a constant: the same bits on any number of threads), the keys are split
-// (flash-decoding): each split gives partial (acc, m, l) per row,
-// merged exactly through their log-sum-exps. Chunks and splits start at multiples of kChunk
-// counted from key 0, whatever layout holds the keys: two layouts with the same keys run the very
-// same arithmetic. float32 throughout: bfloat16 inputs are widened as they are read. A chunk's
-// scores take a block of query rows × keys at a time and sum their dot products across lanes
-// together (lane_sums); while a chunk's scores are computed the next chunk's key rows are asked
-// for from memory, while its values are summed the next chunk's value rows.
+// at a time with an online softmax (a running maximum m and sum l per query row, in base 2), so no
+// row of scores as long as the cache is ever held: kChunk keys a chunk, or kLoneSpan where an item
+// holds one query row per key/value head (each chunk's bookkeeping then serves one row only).
+// Where the items are fewer than kSplitItems (a constant: the same bits on any number of threads),
+// the keys are split (flash-decoding): each split gives partial (acc, m, l) per row, merged
+// exactly through their log-sum-exps. Items and splits start at multiples of kChunk counted from
+// key 0 and chunks end at multiples of their span, whatever layout holds the keys: two layouts
+// with the same keys run the very same arithmetic. float32 throughout: bfloat16 inputs are widened
+// as they are read. A chunk's scores take a block of query rows × keys at a time and sum their dot
+// products across lanes together (lane_sums); while a chunk's scores are computed the next
+// chunk's key rows are asked for from memory, while its values are summed the next chunk's value
+// rows.
 //
 // A Layout gives the core a call's sizes and where things lie: Hq, Hkv, D, Dv, kv_limit (the most
 // key/value heads one item may take), c (the exponent scale), scored (score rules); per query
@@ -44,6 +46,7 @@
 namespace {
 
 constexpr int64_t kChunk = 32;        // keys per step of the online softmax
+constexpr int64_t kLoneSpan = 256;    // … for an item with one query row per key/value head
 constexpr int64_t kGroupTokens = 8;   // query tokens of one sequence per work item
 constexpr int64_t kItemRows = 128;    // query rows (tokens × heads) an item aims to hold at most
 constexpr int64_t kSplitKeys = 1024;  // the fewest keys a split gets where splits are chosen
@@ -54,6 +57,8 @@ constexpr int64_t kSplitItems = 32;
 // rows ahead: such a cache is likely still in the CPU's caches from its last step, where the
 // requests cost more instructions than they save (a number of the call, never of the CPU).
 constexpr int64_t kStreamBytes = int64_t{4} << 20;
+// The fewest bytes of keys and values a thread is woken for.
+constexpr int64_t kThreadBytes = int64_t{256} << 10;
 
 // A run of keys that lie at the layout's strides: key/value head 0 of its first key, and how many.
 template <typename T>
@@ -63,24 +68,37 @@ struct KeyRun {
   int64_t n;
 };
 
-// One work item: query tokens [t0, t1) of sequence s, key/value heads [kv0, kv1), keys [a, b).
+// One work item: query tokens [t0, t1) of sequence s, key/value heads [kv0, kv1), keys [a, b),
+// taken `span` keys a chunk.
 struct Item {
-  int64_t s, t0, t1, kv0, kv1, a, b;
+  int64_t s, t0, t1, kv0, kv1, a, b, span;
 };
 
 // A thread's buffers for the item it runs: R query rows, row r = ((kv − kv0) · tokens + t − t0) ·
-// g + (h mod g), their queries (float32), one chunk's scores, outputs, and their key bounds and
-// rules; m, l as the online softmax keeps them.
+// g + (h mod g), their queries (float32), one chunk's scores (rows `span` apart), outputs, and
+// their key bounds and rules; m, l as the online softmax keeps them. Kept by each thread from call
+// to call (they only grow), so a small call allocates nothing.
 struct Rows {
   std::vector<float> q, s, acc, m, l;
   std::vector<int64_t> lo, hi;
   std::vector<RowRules> rules;
+  int64_t span = kChunk;
 
-  void resize(int64_t R, int64_t D, int64_t Dv) {
-    q.resize(R * D), s.resize(R * kChunk), acc.resize(R * Dv), m.resize(R), l.resize(R);
-    lo.resize(R), hi.resize(R), rules.resize(R);
+  void resize(int64_t R, int64_t D, int64_t Dv, int64_t scores) {
+    const auto grow = [](auto& x, int64_t n) {
+      if (static_cast<int64_t>(x.size()) < n) x.resize(n);
+    };
+    grow(q, R * D), grow(s, scores), grow(acc, R * Dv), grow(m, R), grow(l, R);
+    grow(lo, R), grow(hi, R), grow(rules, R);
   }
 };
+
+// This thread's Rows, large enough for the call.
+inline Rows& thread_rows(int64_t R, int64_t D, int64_t Dv, int64_t scores) {
+  thread_local Rows rows;
+  rows.resize(R, D, Dv, scores);
+  return rows;
+}
 
 template <typename T, typename L>
 void gather_rows(const L& lay, const Item& item, Rows& w) {
@@ -96,6 +114,7 @@ void gather_rows(const L& lay, const Item& item, Rows& w) {
         if (lay.scored) w.rules[r] = lay.rule(t, h);
       }
   const int64_t R = r;
+  w.span = item.span;
   std::fill(w.m.begin(), w.m.begin() + R, kNegInf);
   std::fill(w.l.begin(), w.l.begin() + R, 0.f);
   std::fill(w.acc.begin(), w.acc.begin() + R * lay.Dv, 0.f);
@@ -106,7 +125,7 @@ void gather_rows(const L& lay, const Item& item, Rows& w) {
 // keys it may not see get weight 0.
 template <typename L>
 inline void softmax_step(const L& lay, Rows& w, int64_t r, int64_t c0, int64_t n) {
-  float* s = w.s.data() + r * kChunk;
+  float* s = w.s.data() + r * w.span;
   const int64_t x0 = std::clamp(w.lo[r] - c0, int64_t{0}, n);
   const int64_t x1 = std::clamp(w.hi[r] - c0, x0, n);
   std::fill(s, s + x0, 0.f);
@@ -140,7 +159,7 @@ inline void softmax_step(const L& lay, Rows& w, int64_t r, int64_t c0, int64_t n
 // Where the keys [c0, c1) of one chunk lie: key c0 + i's key and value rows of head 0.
 template <typename T>
 struct ChunkRows {
-  std::array<const T*, kChunk> k, v;
+  std::array<const T*, std::max(kChunk, kLoneSpan)> k, v;
   int64_t c0 = 0, n = 0;
 };
 
@@ -156,14 +175,14 @@ void locate(const L& lay, int64_t s, int64_t c0, int64_t c1, ChunkRows<T>& rows)
 }
 
 // Scores of `rows` query rows (from q) against the chunk's keys of one key/value head (key i at
-// keys[i] + offset), into s (rows kChunk apart): rows four, then two, then one at a time, keys
+// keys[i] + offset), into s (rows `stride` apart): rows four, then two, then one at a time, keys
 // kBlockKeys<RB> at a time (a block past the chunk's last key repeats that key; its scores land in
 // columns past the keys, which the softmax never reads). The key rows of the next chunk, `ahead`
 // (of this head), are asked for as the first row block goes, so memory streams while this chunk
 // computes.
 template <typename T>
 void chunk_scores(const float* q, int64_t rows, int64_t D, const ChunkRows<T>& now, int64_t offset,
-                  float* s, const ChunkRows<T>& ahead) {
+                  float* s, int64_t stride, const ChunkRows<T>& ahead) {
   const auto run = [&](auto block, int64_t r0) {
     constexpr int RB = decltype(block)::value, KB = kBlockKeys<RB>;
     std::array<const T*, KB> keys;
@@ -171,7 +190,7 @@ void chunk_scores(const float* q, int64_t rows, int64_t D, const ChunkRows<T>& n
       if (r0 == 0)
         for (int64_t x = i; x < std::min(i + KB, ahead.n); ++x) prefetch(ahead.k[x] + offset, D);
       for (int k = 0; k < KB; ++k) keys[k] = now.k[std::min(i + k, now.n - 1)] + offset;
-      block_scores<T, RB>(q + r0 * D, keys.data(), D, s + r0 * kChunk + i, kChunk);
+      block_scores<T, RB>(q + r0 * D, keys.data(), D, s + r0 * stride + i, stride);
     }
   };
   int64_t r = 0;
@@ -192,25 +211,26 @@ void run_chunk(const L& lay, const Item& item, Rows& w, const ChunkRows<T>& now,
   for (int64_t kv = item.kv0; kv < item.kv1; ++kv) {
     const int64_t row = (kv - item.kv0) * per_kv;
     chunk_scores(w.q.data() + row * lay.D, per_kv, lay.D, now, kv * lay.k_head,
-                 w.s.data() + row * kChunk, next);
+                 w.s.data() + row * w.span, w.span, next);
   }
   for (int64_t r = 0; r < R; ++r) softmax_step(lay, w, r, now.c0, now.n);
   for (int64_t kv = item.kv0; kv < item.kv1; ++kv) {
     const int64_t row = (kv - item.kv0) * per_kv;
-    add_values(w.acc.data() + row * lay.Dv, w.s.data() + row * kChunk, kChunk, per_kv,
+    add_values(w.acc.data() + row * lay.Dv, w.s.data() + row * w.span, w.span, per_kv,
                now.v.data(), kv * lay.v_head, now.n, lay.Dv,
                Ahead<T>{next.v.data(), next.n, kv * lay.v_head, lay.Dv});
   }
 }
 
-// The item's rows over its keys, chunk by chunk (chunks end at multiples of kChunk). With
+// The item's rows over its keys, chunk by chunk (chunks end at multiples of the item's span). With
 // `stream`, each chunk asks for the next one's rows from memory while it computes.
 template <typename T, typename L>
 void run_item(const L& lay, const Item& item, Rows& w, bool stream) {
   gather_rows<T>(lay, item, w);
-  const auto end = [&](int64_t c0) { return std::min(item.b, (c0 / kChunk + 1) * kChunk); };
+  const int64_t span = item.span;
+  const auto end = [&](int64_t c0) { return std::min(item.b, (c0 / span + 1) * span); };
   ChunkRows<T> chunks[2];
-  const ChunkRows<T> none{};
+  static const ChunkRows<T> none{};
   ChunkRows<T>*now = &chunks[0], *next = &chunks[1];
   locate(lay, item.s, item.a, end(item.a), *now);
   while (now->n > 0) {
@@ -266,12 +286,14 @@ template <typename L>
 std::vector<Item> plan_items(const L& lay, int64_t& splits) {
   const int64_t g = lay.Hq / lay.Hkv;
   std::vector<Item> groups;
+  groups.reserve(lay.segments.size() * lay.Hkv);
   for (const auto& [s, first, end] : lay.segments)
     for (int64_t t0 = first; t0 < end; t0 += kGroupTokens) {
       const int64_t t1 = std::min(end, t0 + kGroupTokens);
       const int64_t block = std::clamp(kItemRows / ((t1 - t0) * g), int64_t{1}, lay.kv_limit);
       for (int64_t kv0 = 0; kv0 < lay.Hkv; kv0 += block) {
-        Item item{s, t0, t1, kv0, std::min(lay.Hkv, kv0 + block), 0, 0};
+        const int64_t span = (t1 - t0) * g == 1 ? kLoneSpan : kChunk;
+        Item item{s, t0, t1, kv0, std::min(lay.Hkv, kv0 + block), 0, 0, span};
         int64_t a = std::numeric_limits<int64_t>::max(), b = 0;
         for (int64_t t = t0; t < t1; ++t)
           for (int64_t h = item.kv0 * g; h < item.kv1 * g; ++h) {
@@ -292,10 +314,10 @@ std::vector<Item> plan_items(const L& lay, int64_t& splits) {
   return groups;
 }
 
-// Split x of `splits` of an item's keys [a, b): a whole number of chunks each.
+// Split x of `splits` of an item's keys [a, b): a whole number of its spans each.
 inline Item split_item(const Item& item, int64_t x, int64_t splits) {
-  const int64_t chunks = (item.b - item.a + kChunk - 1) / kChunk;
-  const int64_t per = (chunks + splits - 1) / splits * kChunk;
+  const int64_t chunks = (item.b - item.a + item.span - 1) / item.span;
+  const int64_t per = (chunks + splits - 1) / splits * item.span;
   Item piece = item;
   piece.a = std::min(item.b, item.a + x * per), piece.b = std::min(item.b, item.a + (x + 1) * per);
   return piece;
@@ -306,17 +328,20 @@ template <typename T, typename L>
 void decode_core(const L& lay, int64_t splits) {
   const std::vector<Item> groups = plan_items(lay, splits);
   const int64_t n = static_cast<int64_t>(groups.size()), g = lay.Hq / lay.Hkv;
-  int64_t R = 1, bytes = 0;
+  int64_t R = 1, scores = 1, bytes = 0;
   for (const Item& item : groups) {
-    R = std::max(R, (item.t1 - item.t0) * (item.kv1 - item.kv0) * g);
+    const int64_t rows = (item.t1 - item.t0) * (item.kv1 - item.kv0) * g;
+    R = std::max(R, rows), scores = std::max(scores, rows * item.span);
     bytes += (item.b - item.a) * (item.kv1 - item.kv0) * (lay.D + lay.Dv) * int64_t{sizeof(T)};
   }
   const bool stream = bytes > kStreamBytes;
   const int64_t stride = R * (lay.Dv + 2);
   std::vector<float> parts(splits > 1 ? n * splits * stride : 0);
-  at::parallel_for(0, n * splits, 1, [&](int64_t begin, int64_t end) {
-    Rows w;
-    w.resize(R, lay.D, lay.Dv);
+  // Items go to other threads only in runs large enough to pay for waking them (kThreadBytes).
+  const int64_t grain =
+      std::max<int64_t>(1, kThreadBytes * n * splits / std::max<int64_t>(bytes, 1));
+  at::parallel_for(0, n * splits, grain, [&](int64_t begin, int64_t end) {
+    Rows& w = thread_rows(R, lay.D, lay.Dv, scores);
     for (int64_t z = begin; z < end; ++z) {
       const Item& item = groups[z / splits];
       run_item<T>(lay, split_item(item, z % splits, splits), w, stream);
@@ -333,8 +358,7 @@ void decode_core(const L& lay, int64_t splits) {
   });
   if (splits == 1) return;
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    Rows w;
-    w.resize(R, lay.D, lay.Dv);
+    Rows& w = thread_rows(R, lay.D, lay.Dv, 0);
     for (int64_t i = begin; i < end; ++i) {
       const Item& item = groups[i];
       const int64_t rows = (item.t1 - item.t0) * (item.kv1 - item.kv0) * g;

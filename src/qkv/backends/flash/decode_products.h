@@ -11,9 +11,11 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 
 namespace {
 
@@ -55,16 +57,16 @@ struct Ahead {
   int64_t n = 0, offset = 0, Dv = 0;
 };
 
-// acc[r][e0 … e0 + VN · kLanes) += Σ_{j < n} p[r · p_stride + j] · v_j[e0 …] for NR rows (NR 1
-// or 4, acc rows acc_stride apart; VN 1 or 2 vectors), v_j at v[j] + offset; the last vector only
+// acc[r][e0 … e0 + VN · kLanes) += Σ_{j < n} p[r · p_stride + j] · v_j[e0 …] for four rows r (acc
+// rows acc_stride apart; VN 1 or 2 vectors), v_j at v[j] + offset; the last vector only
 // its first `last` lanes unless kFull. The accumulators are named variables, not an array: an
 // array of vectors is kept in memory by the compiler (a store per multiply-add), variables stay
 // in registers over the keys.
-template <typename T, int NR, int VN, bool kFull>
+template <typename T, int VN, bool kFull>
 inline void add_block(float* acc, int64_t acc_stride, const float* p, int64_t p_stride,
                       const T* const* v, int64_t offset, int64_t n, int64_t e0, int64_t last,
                       const Ahead<T>& ahead) {
-  static_assert((NR == 1 || NR == 4) && (VN == 1 || VN == 2));
+  static_assert(VN == 1 || VN == 2);
   const auto full = [](int c) { return kFull || c + 1 < VN; };
   const auto load = [&](int r, int c) {
     const float* x = acc + r * acc_stride + e0 + c * kLanes;
@@ -74,37 +76,24 @@ inline void add_block(float* acc, int64_t acc_stride, const float* p, int64_t p_
     float* x = acc + r * acc_stride + e0 + c * kLanes;
     if (full(c)) sum.store(x); else sum.store(x, last);
   };
-  Vec a00 = load(0, 0), a01, a10, a11, a20, a21, a30, a31;
-  if constexpr (VN == 2) a01 = load(0, 1);
-  if constexpr (NR == 4) {
-    a10 = load(1, 0), a20 = load(2, 0), a30 = load(3, 0);
-    if constexpr (VN == 2) a11 = load(1, 1), a21 = load(2, 1), a31 = load(3, 1);
-  }
+  Vec a00 = load(0, 0), a10 = load(1, 0), a20 = load(2, 0), a30 = load(3, 0), a01, a11, a21, a31;
+  if constexpr (VN == 2) a01 = load(0, 1), a11 = load(1, 1), a21 = load(2, 1), a31 = load(3, 1);
   for (int64_t j = 0; j < n; ++j) {
     if (j < ahead.n) prefetch(ahead.v[j] + ahead.offset, ahead.Dv);
     const T* row = v[j] + offset + e0;
     const Vec x0 = full(0) ? load_float(row) : load_float(row, last);
     Vec x1;
     if constexpr (VN == 2) x1 = kFull ? load_float(row + kLanes) : load_float(row + kLanes, last);
-    const Vec w0(p[j]);
-    a00 = at::vec::fmadd(w0, x0, a00);
-    if constexpr (VN == 2) a01 = at::vec::fmadd(w0, x1, a01);
-    if constexpr (NR == 4) {
-      const Vec w1(p[p_stride + j]), w2(p[2 * p_stride + j]), w3(p[3 * p_stride + j]);
-      a10 = at::vec::fmadd(w1, x0, a10), a20 = at::vec::fmadd(w2, x0, a20);
-      a30 = at::vec::fmadd(w3, x0, a30);
-      if constexpr (VN == 2) {
-        a11 = at::vec::fmadd(w1, x1, a11), a21 = at::vec::fmadd(w2, x1, a21);
-        a31 = at::vec::fmadd(w3, x1, a31);
-      }
+    const Vec w0(p[j]), w1(p[p_stride + j]), w2(p[2 * p_stride + j]), w3(p[3 * p_stride + j]);
+    a00 = at::vec::fmadd(w0, x0, a00), a10 = at::vec::fmadd(w1, x0, a10);
+    a20 = at::vec::fmadd(w2, x0, a20), a30 = at::vec::fmadd(w3, x0, a30);
+    if constexpr (VN == 2) {
+      a01 = at::vec::fmadd(w0, x1, a01), a11 = at::vec::fmadd(w1, x1, a11);
+      a21 = at::vec::fmadd(w2, x1, a21), a31 = at::vec::fmadd(w3, x1, a31);
     }
   }
-  store(a00, 0, 0);
-  if constexpr (VN == 2) store(a01, 0, 1);
-  if constexpr (NR == 4) {
-    store(a10, 1, 0), store(a20, 2, 0), store(a30, 3, 0);
-    if constexpr (VN == 2) store(a11, 1, 1), store(a21, 2, 1), store(a31, 3, 1);
-  }
+  store(a00, 0, 0), store(a10, 1, 0), store(a20, 2, 0), store(a30, 3, 0);
+  if constexpr (VN == 2) store(a01, 0, 1), store(a11, 1, 1), store(a21, 2, 1), store(a31, 3, 1);
 }
 
 // acc (rows × Dv, rows a multiple of four) += p (rows × n) · V, for one piece of VN vectors.
@@ -113,36 +102,53 @@ inline void add_piece(float* acc, const float* p, int64_t p_stride, int64_t rows
                       int64_t offset, int64_t n, int64_t Dv, int64_t e0, int64_t last,
                       const Ahead<T>& ahead) {
   for (int64_t r = 0; r < rows; r += 4)
-    add_block<T, 4, VN, kFull>(acc + r * Dv, Dv, p + r * p_stride, p_stride, v, offset, n, e0, last,
+    add_block<T, VN, kFull>(acc + r * Dv, Dv, p + r * p_stride, p_stride, v, offset, n, e0, last,
                                r == 0 ? ahead : Ahead<T>{});
 }
 
-// acc[e0 … e0 + VN · kLanes) += Σ_{j < n} p[j] · v_j[e0 …] for one query row, v_j at v[j] +
-// offset: VN whole vectors (64 features: 256 bytes of accumulators, which the compiler keeps in
-// registers over the keys).
-template <typename T, int VN>
+// acc[e0 … e0 + width) += Σ_{j < n} p[j] · v_j[e0 …] for one query row, v_j at v[j] + offset:
+// VN vectors, the last only its first `last` lanes unless kFull (at most 64 features: 256 bytes of
+// accumulators, which the compiler keeps in registers over the keys; every vector of a value row
+// is summed in the one pass over the keys).
+template <typename T, int VN, bool kFull>
 inline void add_row(float* acc, const float* p, const T* const* v, int64_t offset, int64_t n,
-                    int64_t e0, const Ahead<T>& ahead) {
+                    int64_t e0, int64_t last, const Ahead<T>& ahead) {
+  const auto full = [](int c) { return kFull || c + 1 < VN; };
   Vec a[VN];
-  for (int c = 0; c < VN; ++c) a[c] = Vec::loadu(acc + e0 + c * kLanes);
+  for (int c = 0; c < VN; ++c)
+    a[c] = full(c) ? Vec::loadu(acc + e0 + c * kLanes) : Vec::loadu(acc + e0 + c * kLanes, last);
   for (int64_t j = 0; j < n; ++j) {
     if (j < ahead.n) prefetch(ahead.v[j] + ahead.offset, ahead.Dv);
     const T* row = v[j] + offset + e0;
     const Vec w(p[j]);
-    for (int c = 0; c < VN; ++c) a[c] = at::vec::fmadd(w, load_float(row + c * kLanes), a[c]);
+    for (int c = 0; c < VN; ++c) {
+      const Vec x = full(c) ? load_float(row + c * kLanes) : load_float(row + c * kLanes, last);
+      a[c] = at::vec::fmadd(w, x, a[c]);
+    }
   }
-  for (int c = 0; c < VN; ++c) a[c].store(acc + e0 + c * kLanes);
+  for (int c = 0; c < VN; ++c) {
+    if (full(c)) a[c].store(acc + e0 + c * kLanes); else a[c].store(acc + e0 + c * kLanes, last);
+  }
+}
+
+// f(std::integral_constant<int, count>) for a count of 1 … N known only at run time.
+template <int N, typename F>
+inline void with_count(int64_t count, F&& f) {
+  if constexpr (N > 1) {
+    if (count < N) return with_count<N - 1>(count, f);
+  }
+  f(std::integral_constant<int, N>{});
 }
 
 // Vectors of a value row's piece one add_block holds per query row: its 4 × kValueVecs
-// accumulators, the piece and the weight fit in 16 registers (AVX2 too). A lone row takes
+// accumulators, the piece and the weight fit in 16 registers (AVX2 too). A lone row takes up to
 // kRowVecs at a time (64 features).
 constexpr int kValueVecs = 2;
 constexpr int kRowVecs = static_cast<int>(64 / kLanes);
 
 // acc (rows × Dv) += p (rows × n, rows p_stride apart) · V, value row j at v[j] + offset: rows four
 // at a time, Dv in pieces of kValueVecs whole vectors, then whole vectors, then a partial one;
-// then the rows left one at a time, Dv in pieces of kRowVecs, then as the four.
+// then the rows left one at a time, Dv in pieces of up to kRowVecs (the last partial).
 template <typename T>
 void add_values(float* acc, const float* p, int64_t p_stride, int64_t rows, const T* const* v,
                 int64_t offset, int64_t n, int64_t Dv, const Ahead<T>& ahead) {
@@ -164,33 +170,50 @@ void add_values(float* acc, const float* p, int64_t p_stride, int64_t rows, cons
     float* a = acc + r * Dv;
     const float* w = p + r * p_stride;
     const auto first = [&](int64_t e) { return r == 0 && e == 0 ? ahead : none; };
-    for (e0 = 0; e0 + kRowVecs * kLanes <= Dv; e0 += kRowVecs * kLanes)
-      add_row<T, kRowVecs>(a, w, v, offset, n, e0, first(e0));
-    for (; e0 + kLanes <= Dv; e0 += kLanes)
-      add_block<T, 1, 1, true>(a, Dv, w, p_stride, v, offset, n, e0, kLanes, first(e0));
-    if (e0 < Dv)
-      add_block<T, 1, 1, false>(a, Dv, w, p_stride, v, offset, n, e0, Dv - e0, first(e0));
+    for (e0 = 0; e0 < Dv; e0 += kRowVecs * kLanes) {
+      const int64_t width = std::min<int64_t>(kRowVecs * kLanes, Dv - e0);
+      const int64_t vecs = (width + kLanes - 1) / kLanes, last = width - (vecs - 1) * kLanes;
+      with_count<kRowVecs>(vecs, [&](auto count) {
+        constexpr int VN = decltype(count)::value;
+        if (last == kLanes)
+          add_row<T, VN, true>(a, w, v, offset, n, e0, last, first(e0));
+        else
+          add_row<T, VN, false>(a, w, v, offset, n, e0, last, first(e0));
+      });
+    }
   }
 }
 
-// The lane sums of N vectors x[0 … N) (N a power of two, at most kLanes; x is overwritten):
-// lane i of the result is Σ lanes of x[i]. Deinterleaving two vectors and adding the halves puts
-// both vectors' pair sums side by side in one vector; log2(kLanes) such rounds (a lone vector
-// paired with itself once they are one) leave each sum in its own lane. Every sum is the same
-// balanced tree of its own lanes, whatever N and its place among them.
-template <int N>
-[[gnu::always_inline]] inline Vec lane_sums(Vec (&x)[N]) {
+// Pair sums of a and b side by side: deinterleaving the two vectors and adding the halves puts
+// a's sums of neighbouring lanes in the low half, b's in the high half.
+[[gnu::always_inline]] inline Vec pair_sums(const Vec& a, const Vec& b) {
+  const auto [even, odd] = at::vec::deinterleave2(a, b);
+  return even + odd;
+}
+
+// One round of lane_sums over N vectors: x[2i] and x[2i + 1] paired, for i < N / 2.
+template <size_t N, size_t... I>
+[[gnu::always_inline]] inline std::array<Vec, N / 2> pair_round(const std::array<Vec, N>& x,
+                                                                 std::index_sequence<I...>) {
+  return {pair_sums(x[2 * I], x[2 * I + 1])...};
+}
+
+// The lane sums of N vectors x (N a power of two, at most kLanes): lane i of the result is Σ lanes
+// of x[i]. Each round pairs the vectors (pair_sums), halving their count and doubling the width of
+// each vector's run of lanes; once one is left it is paired with itself until the runs are single
+// lanes (log2(kLanes) rounds in all). Every sum is the same balanced tree of its own lanes,
+// whatever N and its place among them. The vectors are values indexed by constants (an array
+// indexed in a loop is kept in memory by the compiler, a store and a load per round).
+template <size_t N>
+[[gnu::always_inline]] inline Vec lane_sums(const std::array<Vec, N>& x, int width = 1) {
   static_assert(N >= 1 && (N & (N - 1)) == 0 && N <= kLanes);
-  int count = N;
-  for (int width = 1; width < kLanes; width *= 2) {
-    for (int i = 0; i < std::max(count / 2, 1); ++i) {
-      const Vec& other = count > 1 ? x[2 * i + 1] : x[2 * i];
-      const auto [even, odd] = at::vec::deinterleave2(x[2 * i], other);
-      x[i] = even + odd;
-    }
-    count = std::max(count / 2, 1);
+  if constexpr (N == 1) {
+    Vec y = x[0];
+    for (; width < kLanes; width *= 2) y = pair_sums(y, y);
+    return y;
+  } else {
+    return lane_sums<N / 2>(pair_round<N>(x, std::make_index_sequence<N / 2>{}), width * 2);
   }
-  return x[0];
 }
 
 // Keys per block of scores for RB query rows: RB × KB dot products fit one vector of lane sums,
@@ -206,8 +229,8 @@ template <typename T, int RB>
 [[gnu::always_inline]] inline void block_scores(const float* q, const T* const* keys, int64_t D,
                                                 float* s, int64_t stride) {
   constexpr int KB = kBlockKeys<RB>;
-  Vec a[RB * KB];
-  for (Vec& x : a) x = Vec(0.f);
+  std::array<Vec, RB * KB> a;
+  a.fill(Vec(0.f));
   const auto step = [&](int64_t d, int64_t count) {
     Vec key[KB];
     for (int k = 0; k < KB; ++k)
