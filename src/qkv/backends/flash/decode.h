@@ -2,19 +2,20 @@
 // decoding path (decode_dense here; paged.h's pages and packed sequences). A work item is (a
 // group of up to kGroupTokens query tokens of one sequence, a block of key/value heads, a split of
 // the keys): every query head of its tokens that shares a key/value head is computed together, so
-// each K and V row is read once per call, in the order it lies in memory. Keys are taken a chunk
-// at a time with an online softmax (a running maximum m and sum l per query row, in base 2), so no
-// row of scores as long as the cache is ever held: kChunk keys a chunk, or kLoneSpan where an item
-// holds one query row per key/value head (each chunk's bookkeeping then serves one row only).
+// each K and V row is read once per call, in the order it lies in memory. The keys are read a pass
+// at a time: the scores of all the pass's keys, then block by block of kChunk keys an online
+// softmax step (a running maximum m and sum l per query row, in base 2) and Σ p v, so no row of
+// scores as long as the cache is ever held. The blocks fix the arithmetic; a pass only the order
+// memory is read in (kChunk keys where query rows share a key/value head, up to kLoneSpan for one
+// row per key/value head, whose per-block work is small): any pass gives the same bits.
 // Where the items are fewer than kSplitItems (a constant: the same bits on any number of threads),
 // the keys are split (flash-decoding): each split gives partial (acc, m, l) per row, merged
-// exactly through their log-sum-exps. Items and splits start at multiples of kChunk counted from
-// key 0 and chunks end at multiples of their span, whatever layout holds the keys: two layouts
-// with the same keys run the very same arithmetic. float32 throughout: bfloat16 inputs are widened
-// as they are read. A chunk's scores take a block of query rows × keys at a time and sum their dot
-// products across lanes together (lane_sums); while a chunk's scores are computed the next
-// chunk's key rows are asked for from memory, while its values are summed the next chunk's value
-// rows.
+// exactly through their log-sum-exps. Items, splits and blocks start at multiples of kChunk
+// counted from key 0, whatever layout holds the keys: two layouts with the same keys run the very
+// same arithmetic. float32 throughout: bfloat16 inputs are widened as they are read. A pass's
+// scores take a block of query rows × keys at a time and sum their dot products across lanes
+// together (lane_sums); while a pass's scores are computed the next pass's key rows are asked for
+// from memory, while its values are summed the next pass's value rows.
 //
 // A Layout gives the core a call's sizes and where things lie: Hq, Hkv, D, Dv, kv_limit (the most
 // key/value heads one item may take), c (the exponent scale), scored (score rules); per query
@@ -46,7 +47,8 @@
 namespace {
 
 constexpr int64_t kChunk = 32;        // keys per step of the online softmax
-constexpr int64_t kLoneSpan = 256;    // … for an item with one query row per key/value head
+constexpr int64_t kLoneSpan = 256;    // the most keys a pass of one row per key/value head takes
+constexpr int64_t kPassBytes = int64_t{256} << 10;  // … and the most bytes of K and V it reads
 constexpr int64_t kGroupTokens = 8;   // query tokens of one sequence per work item
 constexpr int64_t kItemRows = 128;    // query rows (tokens × heads) an item aims to hold at most
 constexpr int64_t kSplitKeys = 1024;  // the fewest keys a split gets where splits are chosen
@@ -69,20 +71,19 @@ struct KeyRun {
 };
 
 // One work item: query tokens [t0, t1) of sequence s, key/value heads [kv0, kv1), keys [a, b),
-// taken `span` keys a chunk.
+// read `span` keys a pass.
 struct Item {
   int64_t s, t0, t1, kv0, kv1, a, b, span;
 };
 
 // A thread's buffers for the item it runs: R query rows, row r = ((kv − kv0) · tokens + t − t0) ·
-// g + (h mod g), their queries (float32), one chunk's scores (rows `span` apart), outputs, and
+// g + (h mod g), their queries (float32), one pass's scores (rows `span` apart), outputs, and
 // their key bounds and rules; m, l as the online softmax keeps them. Kept by each thread from call
 // to call (they only grow), so a small call allocates nothing.
 struct Rows {
   std::vector<float> q, s, acc, m, l;
   std::vector<int64_t> lo, hi;
   std::vector<RowRules> rules;
-  int64_t span = kChunk;
 
   void resize(int64_t R, int64_t D, int64_t Dv, int64_t scores) {
     const auto grow = [](auto& x, int64_t n) {
@@ -114,18 +115,16 @@ void gather_rows(const L& lay, const Item& item, Rows& w) {
         if (lay.scored) w.rules[r] = lay.rule(t, h);
       }
   const int64_t R = r;
-  w.span = item.span;
   std::fill(w.m.begin(), w.m.begin() + R, kNegInf);
   std::fill(w.l.begin(), w.l.begin() + R, 0.f);
   std::fill(w.acc.begin(), w.acc.begin() + R * lay.Dv, 0.f);
 }
 
-// Row r's scores of keys [c0, c0 + n) (s, in place) become its weights 2^(s_j · c − m) under
-// its running maximum m (moved up, its sums rescaled, where the chunk holds a larger score);
+// Row r's scores s of keys [c0, c0 + n) (in place) become its weights 2^(s_j · c − m) under
+// its running maximum m (moved up, its sums rescaled, where the block holds a larger score);
 // keys it may not see get weight 0.
 template <typename L>
-inline void softmax_step(const L& lay, Rows& w, int64_t r, int64_t c0, int64_t n) {
-  float* s = w.s.data() + r * w.span;
+inline void softmax_step(const L& lay, Rows& w, int64_t r, float* s, int64_t c0, int64_t n) {
   const int64_t x0 = std::clamp(w.lo[r] - c0, int64_t{0}, n);
   const int64_t x1 = std::clamp(w.hi[r] - c0, x0, n);
   std::fill(s, s + x0, 0.f);
@@ -156,15 +155,15 @@ inline void softmax_step(const L& lay, Rows& w, int64_t r, int64_t c0, int64_t n
   w.l[r] += exp_row<float>(x, x, seen, lay.c, w.m[r]).sum;
 }
 
-// Where the keys [c0, c1) of one chunk lie: key c0 + i's key and value rows of head 0.
+// Where the keys [c0, c1) of one pass lie: key c0 + i's key and value rows of head 0.
 template <typename T>
-struct ChunkRows {
+struct PassRows {
   std::array<const T*, std::max(kChunk, kLoneSpan)> k, v;
   int64_t c0 = 0, n = 0;
 };
 
 template <typename T, typename L>
-void locate(const L& lay, int64_t s, int64_t c0, int64_t c1, ChunkRows<T>& rows) {
+void locate(const L& lay, int64_t s, int64_t c0, int64_t c1, PassRows<T>& rows) {
   rows.c0 = c0, rows.n = std::max<int64_t>(0, c1 - c0);
   for (int64_t j = c0; j < c1;) {
     const KeyRun<T> run = lay.run(s, j, c1);
@@ -174,69 +173,77 @@ void locate(const L& lay, int64_t s, int64_t c0, int64_t c1, ChunkRows<T>& rows)
   }
 }
 
-// Scores of `rows` query rows (from q) against the chunk's keys of one key/value head (key i at
-// keys[i] + offset), into s (rows `stride` apart): rows four, then two, then one at a time, keys
-// kBlockKeys<RB> at a time (a block past the chunk's last key repeats that key; its scores land in
-// columns past the keys, which the softmax never reads). The key rows of the next chunk, `ahead`
-// (of this head), are asked for as the first row block goes, so memory streams while this chunk
-// computes.
+// Scores of the item's query rows (per_kv rows of D from q for each of its key/value heads, head
+// x's rows x · per_kv on) against the pass's keys (key i of head kv0 + x at keys[i] + offset + x ·
+// k_head), into s (rows `stride` apart): rows four, then two, then one at a time, keys
+// kBlockKeys<RB> at a time (a block past the pass's last key repeats that key; its scores land in
+// columns past the keys, which the softmax never reads), each block of keys for every head before
+// the next block, so that heads lying side by side (a page's token) are read together. The key
+// rows of the next pass, `ahead`, are asked for as the first row block goes, so memory streams
+// while this pass computes.
 template <typename T>
-void chunk_scores(const float* q, int64_t rows, int64_t D, const ChunkRows<T>& now, int64_t offset,
-                  float* s, int64_t stride, const ChunkRows<T>& ahead) {
+void pass_scores(const float* q, int64_t per_kv, int64_t heads, int64_t D, const PassRows<T>& now,
+                 int64_t offset, int64_t k_head, float* s, int64_t stride,
+                 const PassRows<T>& ahead) {
   const auto run = [&](auto block, int64_t r0) {
     constexpr int RB = decltype(block)::value, KB = kBlockKeys<RB>;
     std::array<const T*, KB> keys;
     for (int64_t i = 0; i < now.n; i += KB) {
-      if (r0 == 0)
-        for (int64_t x = i; x < std::min(i + KB, ahead.n); ++x) prefetch(ahead.k[x] + offset, D);
-      for (int k = 0; k < KB; ++k) keys[k] = now.k[std::min(i + k, now.n - 1)] + offset;
-      block_scores<T, RB>(q + r0 * D, keys.data(), D, s + r0 * stride + i, stride);
+      for (int64_t x = 0; x < heads; ++x) {
+        const int64_t at = offset + x * k_head, row = x * per_kv + r0;
+        if (r0 == 0)
+          for (int64_t y = i; y < std::min(i + KB, ahead.n); ++y) prefetch(ahead.k[y] + at, D);
+        for (int k = 0; k < KB; ++k) keys[k] = now.k[std::min(i + k, now.n - 1)] + at;
+        block_scores<T, RB>(q + row * D, keys.data(), D, s + row * stride + i, stride);
+      }
     }
   };
   int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) run(std::integral_constant<int, 4>{}, r);
-  for (; r + 2 <= rows; r += 2) run(std::integral_constant<int, 2>{}, r);
-  for (; r < rows; ++r) run(std::integral_constant<int, 1>{}, r);
+  for (; r + 4 <= per_kv; r += 4) run(std::integral_constant<int, 4>{}, r);
+  for (; r + 2 <= per_kv; r += 2) run(std::integral_constant<int, 2>{}, r);
+  for (; r < per_kv; ++r) run(std::integral_constant<int, 1>{}, r);
 }
 
-// One chunk's keys for every row of the item: scores (each key row read once for the rows of its
-// key/value head; meanwhile the next chunk's key rows are asked for), weights, then Σ p v
-// (meanwhile the next chunk's value rows are asked for), so that memory streams while this one
-// computes.
+// One pass's keys for every row of the item: the scores of all its keys (each key row read once
+// for the rows of its key/value head; meanwhile the next pass's key rows are asked for), then
+// block by block of kChunk keys the weights and Σ p v (meanwhile the next pass's value rows of the
+// same place are asked for), so that memory streams while this pass computes.
 template <typename T, typename L>
-void run_chunk(const L& lay, const Item& item, Rows& w, const ChunkRows<T>& now,
-               const ChunkRows<T>& next) {
+void run_pass(const L& lay, const Item& item, Rows& w, const PassRows<T>& now,
+              const PassRows<T>& next) {
   const int64_t g = lay.Hq / lay.Hkv, per_kv = (item.t1 - item.t0) * g;
-  const int64_t heads = item.kv1 - item.kv0, R = per_kv * heads;
-  for (int64_t kv = item.kv0; kv < item.kv1; ++kv) {
-    const int64_t row = (kv - item.kv0) * per_kv;
-    chunk_scores(w.q.data() + row * lay.D, per_kv, lay.D, now, kv * lay.k_head,
-                 w.s.data() + row * w.span, w.span, next);
-  }
-  for (int64_t r = 0; r < R; ++r) softmax_step(lay, w, r, now.c0, now.n);
-  for (int64_t kv = item.kv0; kv < item.kv1; ++kv) {
-    const int64_t row = (kv - item.kv0) * per_kv;
-    add_values(w.acc.data() + row * lay.Dv, w.s.data() + row * w.span, w.span, per_kv,
-               now.v.data(), kv * lay.v_head, now.n, lay.Dv,
-               Ahead<T>{next.v.data(), next.n, kv * lay.v_head, lay.Dv});
+  const int64_t heads = item.kv1 - item.kv0, R = per_kv * heads, span = item.span;
+  pass_scores(w.q.data(), per_kv, heads, lay.D, now, item.kv0 * lay.k_head, lay.k_head, w.s.data(),
+              span, next);
+  for (int64_t b0 = 0; b0 < now.n; b0 += kChunk) {  // now.c0 is a multiple of kChunk
+    const int64_t n = std::min(kChunk, now.n - b0);
+    for (int64_t r = 0; r < R; ++r)
+      softmax_step(lay, w, r, w.s.data() + r * span + b0, now.c0 + b0, n);
+    for (int64_t kv = item.kv0; kv < item.kv1; ++kv) {
+      const int64_t row = (kv - item.kv0) * per_kv;
+      const int64_t ahead = std::clamp(next.n - b0, int64_t{0}, n);
+      add_values(w.acc.data() + row * lay.Dv, w.s.data() + row * span + b0, span, per_kv,
+                 now.v.data() + b0, kv * lay.v_head, n, lay.Dv,
+                 Ahead<T>{next.v.data() + b0, ahead, kv * lay.v_head, lay.Dv});
+    }
   }
 }
 
-// The item's rows over its keys, chunk by chunk (chunks end at multiples of the item's span). With
-// `stream`, each chunk asks for the next one's rows from memory while it computes.
+// The item's rows over its keys, pass by pass (passes end at multiples of the item's span). With
+// `stream`, each pass asks for the next one's rows from memory while it computes.
 template <typename T, typename L>
 void run_item(const L& lay, const Item& item, Rows& w, bool stream) {
   gather_rows<T>(lay, item, w);
   const int64_t span = item.span;
   const auto end = [&](int64_t c0) { return std::min(item.b, (c0 / span + 1) * span); };
-  ChunkRows<T> chunks[2];
-  static const ChunkRows<T> none{};
-  ChunkRows<T>*now = &chunks[0], *next = &chunks[1];
+  PassRows<T> passes[2];
+  static const PassRows<T> none{};
+  PassRows<T>*now = &passes[0], *next = &passes[1];
   locate(lay, item.s, item.a, end(item.a), *now);
   while (now->n > 0) {
     const int64_t c1 = now->c0 + now->n;
     locate(lay, item.s, c1, c1 < item.b ? end(c1) : c1, *next);
-    run_chunk<T>(lay, item, w, *now, stream ? *next : none);
+    run_pass<T>(lay, item, w, *now, stream ? *next : none);
     std::swap(now, next);
   }
 }
@@ -281,9 +288,10 @@ void merge_splits(const L& lay, const Item& item, const float* part, int64_t spl
 }
 
 // The work items of a call: each segment's tokens in groups of kGroupTokens, key/value heads in
-// blocks of at most kv_limit and kItemRows rows, the keys in `splits` pieces (0: chosen here).
+// blocks of at most kv_limit and kItemRows rows, the keys in `splits` pieces (0: chosen here);
+// element: the bytes of one K or V value.
 template <typename L>
-std::vector<Item> plan_items(const L& lay, int64_t& splits) {
+std::vector<Item> plan_items(const L& lay, int64_t element, int64_t& splits) {
   const int64_t g = lay.Hq / lay.Hkv;
   std::vector<Item> groups;
   groups.reserve(lay.segments.size() * lay.Hkv);
@@ -292,8 +300,11 @@ std::vector<Item> plan_items(const L& lay, int64_t& splits) {
       const int64_t t1 = std::min(end, t0 + kGroupTokens);
       const int64_t block = std::clamp(kItemRows / ((t1 - t0) * g), int64_t{1}, lay.kv_limit);
       for (int64_t kv0 = 0; kv0 < lay.Hkv; kv0 += block) {
-        const int64_t span = (t1 - t0) * g == 1 ? kLoneSpan : kChunk;
-        Item item{s, t0, t1, kv0, std::min(lay.Hkv, kv0 + block), 0, 0, span};
+        Item item{s, t0, t1, kv0, std::min(lay.Hkv, kv0 + block), 0, 0, kChunk};
+        if ((t1 - t0) * g == 1) {  // one row per key/value head: passes of up to kPassBytes
+          const int64_t row = (item.kv1 - item.kv0) * (lay.D + lay.Dv) * element;
+          item.span = std::clamp(kPassBytes / row / kChunk * kChunk, kChunk, kLoneSpan);
+        }
         int64_t a = std::numeric_limits<int64_t>::max(), b = 0;
         for (int64_t t = t0; t < t1; ++t)
           for (int64_t h = item.kv0 * g; h < item.kv1 * g; ++h) {
@@ -314,10 +325,10 @@ std::vector<Item> plan_items(const L& lay, int64_t& splits) {
   return groups;
 }
 
-// Split x of `splits` of an item's keys [a, b): a whole number of its spans each.
+// Split x of `splits` of an item's keys [a, b): a whole number of blocks of kChunk keys each.
 inline Item split_item(const Item& item, int64_t x, int64_t splits) {
-  const int64_t chunks = (item.b - item.a + item.span - 1) / item.span;
-  const int64_t per = (chunks + splits - 1) / splits * item.span;
+  const int64_t chunks = (item.b - item.a + kChunk - 1) / kChunk;
+  const int64_t per = (chunks + splits - 1) / splits * kChunk;
   Item piece = item;
   piece.a = std::min(item.b, item.a + x * per), piece.b = std::min(item.b, item.a + (x + 1) * per);
   return piece;
@@ -326,7 +337,7 @@ inline Item split_item(const Item& item, int64_t x, int64_t splits) {
 // Runs a call on its layout: every item on the threads, then (split calls) the merge.
 template <typename T, typename L>
 void decode_core(const L& lay, int64_t splits) {
-  const std::vector<Item> groups = plan_items(lay, splits);
+  const std::vector<Item> groups = plan_items(lay, int64_t{sizeof(T)}, splits);
   const int64_t n = static_cast<int64_t>(groups.size()), g = lay.Hq / lay.Hkv;
   int64_t R = 1, scores = 1, bytes = 0;
   for (const Item& item : groups) {
