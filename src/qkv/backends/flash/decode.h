@@ -48,7 +48,8 @@ namespace {
 
 constexpr int64_t kChunk = 32;        // keys per step of the online softmax
 constexpr int64_t kLoneSpan = 256;    // the most keys a pass of one row per key/value head takes
-constexpr int64_t kPassBytes = int64_t{256} << 10;  // … and the most bytes of K and V it reads
+constexpr int64_t kPassBytes = int64_t{64} << 10;  // … and the most bytes of K and V it reads
+constexpr int64_t kValueKeys = 8;  // keys of Σ p v per head in turn where an item has several
 constexpr int64_t kGroupTokens = 8;   // query tokens of one sequence per work item
 constexpr int64_t kItemRows = 128;    // query rows (tokens × heads) an item aims to hold at most
 constexpr int64_t kSplitKeys = 1024;  // the fewest keys a split gets where splits are chosen
@@ -219,12 +220,18 @@ void run_pass(const L& lay, const Item& item, Rows& w, const PassRows<T>& now,
     const int64_t n = std::min(kChunk, now.n - b0);
     for (int64_t r = 0; r < R; ++r)
       softmax_step(lay, w, r, w.s.data() + r * span + b0, now.c0 + b0, n);
-    for (int64_t kv = item.kv0; kv < item.kv1; ++kv) {
-      const int64_t row = (kv - item.kv0) * per_kv;
-      const int64_t ahead = std::clamp(next.n - b0, int64_t{0}, n);
-      add_values(w.acc.data() + row * lay.Dv, w.s.data() + row * span + b0, span, per_kv,
-                 now.v.data() + b0, kv * lay.v_head, n, lay.Dv,
-                 Ahead<T>{next.v.data() + b0, ahead, kv * lay.v_head, lay.Dv});
+    // Σ p v a few keys at a time for every head before the next few, so that heads lying side by
+    // side (a page's token) are read together; each row still adds its keys in order.
+    const int64_t step = item.kv1 - item.kv0 > 1 ? kValueKeys : n;
+    for (int64_t j0 = b0; j0 < b0 + n; j0 += step) {
+      const int64_t m = std::min(step, b0 + n - j0);
+      const int64_t ahead = std::clamp(next.n - j0, int64_t{0}, m);
+      for (int64_t kv = item.kv0; kv < item.kv1; ++kv) {
+        const int64_t row = (kv - item.kv0) * per_kv;
+        add_values(w.acc.data() + row * lay.Dv, w.s.data() + row * span + j0, span, per_kv,
+                   now.v.data() + j0, kv * lay.v_head, m, lay.Dv,
+                   Ahead<T>{next.v.data() + j0, ahead, kv * lay.v_head, lay.Dv});
+      }
     }
   }
 }
