@@ -344,7 +344,7 @@ inline Item split_item(const Item& item, int64_t x, int64_t splits) {
 // Runs a call on its layout: every item on the threads, then (split calls) the merge.
 template <typename T, typename L>
 void decode_core(const L& lay, int64_t splits) {
-  const std::vector<Item> groups = plan_items(lay, int64_t{sizeof(T)}, splits);
+  std::vector<Item> groups = plan_items(lay, int64_t{sizeof(T)}, splits);
   const int64_t n = static_cast<int64_t>(groups.size()), g = lay.Hq / lay.Hkv;
   int64_t R = 1, scores = 1, bytes = 0;
   for (const Item& item : groups) {
@@ -353,6 +353,8 @@ void decode_core(const L& lay, int64_t splits) {
     bytes += (item.b - item.a) * (item.kv1 - item.kv0) * (lay.D + lay.Dv) * int64_t{sizeof(T)};
   }
   const bool stream = bytes > kStreamBytes;
+  if (stream)  // the next pass is asked for ahead: short passes keep its rows near
+    for (Item& item : groups) item.span = kChunk;
   const int64_t stride = R * (lay.Dv + 2);
   std::vector<float> parts(splits > 1 ? n * splits * stride : 0);
   // Items go to other threads only in runs large enough to pay for waking them (kThreadBytes).
