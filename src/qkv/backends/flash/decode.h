@@ -6,8 +6,7 @@
 // at a time: the scores of all the pass's keys, then block by block of kChunk keys an online
 // softmax step (a running maximum m and sum l per query row, in base 2) and Σ p v, so no row of
 // scores as long as the cache is ever held. The blocks fix the arithmetic; a pass only the order
-// memory is read in (kChunk keys where query rows share a key/value head, up to kLoneSpan for one
-// row per key/value head, whose per-block work is small): any pass gives the same bits.
+// memory is read in (pass_span), so any pass gives the same bits.
 // Where the items are fewer than kSplitItems (a constant: the same bits on any number of threads),
 // the keys are split (flash-decoding): each split gives partial (acc, m, l) per row, merged
 // exactly through their log-sum-exps. Items, splits and blocks start at multiples of kChunk
@@ -295,10 +294,9 @@ void merge_splits(const L& lay, const Item& item, const float* part, int64_t spl
 }
 
 // The work items of a call: each segment's tokens in groups of kGroupTokens, key/value heads in
-// blocks of at most kv_limit and kItemRows rows, the keys in `splits` pieces (0: chosen here);
-// element: the bytes of one K or V value.
+// blocks of at most kv_limit and kItemRows rows, the keys in `splits` pieces (0: chosen here).
 template <typename L>
-std::vector<Item> plan_items(const L& lay, int64_t element, int64_t& splits) {
+std::vector<Item> plan_items(const L& lay, int64_t& splits) {
   const int64_t g = lay.Hq / lay.Hkv;
   std::vector<Item> groups;
   groups.reserve(lay.segments.size() * lay.Hkv);
@@ -308,10 +306,6 @@ std::vector<Item> plan_items(const L& lay, int64_t element, int64_t& splits) {
       const int64_t block = std::clamp(kItemRows / ((t1 - t0) * g), int64_t{1}, lay.kv_limit);
       for (int64_t kv0 = 0; kv0 < lay.Hkv; kv0 += block) {
         Item item{s, t0, t1, kv0, std::min(lay.Hkv, kv0 + block), 0, 0, kChunk};
-        if ((t1 - t0) * g == 1) {  // one row per key/value head: passes of up to kPassBytes
-          const int64_t row = (item.kv1 - item.kv0) * (lay.D + lay.Dv) * element;
-          item.span = std::clamp(kPassBytes / row / kChunk * kChunk, kChunk, kLoneSpan);
-        }
         int64_t a = std::numeric_limits<int64_t>::max(), b = 0;
         for (int64_t t = t0; t < t1; ++t)
           for (int64_t h = item.kv0 * g; h < item.kv1 * g; ++h) {
@@ -332,6 +326,18 @@ std::vector<Item> plan_items(const L& lay, int64_t element, int64_t& splits) {
   return groups;
 }
 
+// The keys a pass of `item` reads: kChunk where its query rows share a key/value head (their
+// products fill the work between two reads) or where the call streams (the next pass is asked for
+// ahead: short passes keep its rows near); one row per key/value head in a call the caches hold
+// reads longer runs, up to kPassBytes of K and V (at most kLoneSpan keys), which spreads each
+// pass's bookkeeping over more keys. element: the bytes of one K or V value.
+template <typename L>
+int64_t pass_span(const L& lay, const Item& item, int64_t element, bool stream) {
+  if (stream || (item.t1 - item.t0) * (lay.Hq / lay.Hkv) > 1) return kChunk;
+  const int64_t row = (item.kv1 - item.kv0) * (lay.D + lay.Dv) * element;
+  return std::clamp(kPassBytes / row / kChunk * kChunk, kChunk, kLoneSpan);
+}
+
 // Split x of `splits` of an item's keys [a, b): a whole number of blocks of kChunk keys each.
 inline Item split_item(const Item& item, int64_t x, int64_t splits) {
   const int64_t chunks = (item.b - item.a + kChunk - 1) / kChunk;
@@ -344,17 +350,18 @@ inline Item split_item(const Item& item, int64_t x, int64_t splits) {
 // Runs a call on its layout: every item on the threads, then (split calls) the merge.
 template <typename T, typename L>
 void decode_core(const L& lay, int64_t splits) {
-  std::vector<Item> groups = plan_items(lay, int64_t{sizeof(T)}, splits);
+  std::vector<Item> groups = plan_items(lay, splits);
   const int64_t n = static_cast<int64_t>(groups.size()), g = lay.Hq / lay.Hkv;
+  constexpr int64_t element = sizeof(T);
   int64_t R = 1, scores = 1, bytes = 0;
-  for (const Item& item : groups) {
-    const int64_t rows = (item.t1 - item.t0) * (item.kv1 - item.kv0) * g;
-    R = std::max(R, rows), scores = std::max(scores, rows * item.span);
-    bytes += (item.b - item.a) * (item.kv1 - item.kv0) * (lay.D + lay.Dv) * int64_t{sizeof(T)};
-  }
+  for (const Item& item : groups)
+    bytes += (item.b - item.a) * (item.kv1 - item.kv0) * (lay.D + lay.Dv) * element;
   const bool stream = bytes > kStreamBytes;
-  if (stream)  // the next pass is asked for ahead: short passes keep its rows near
-    for (Item& item : groups) item.span = kChunk;
+  for (Item& item : groups) {
+    const int64_t rows = (item.t1 - item.t0) * (item.kv1 - item.kv0) * g;
+    item.span = pass_span(lay, item, element, stream);
+    R = std::max(R, rows), scores = std::max(scores, rows * item.span);
+  }
   const int64_t stride = R * (lay.Dv + 2);
   std::vector<float> parts(splits > 1 ? n * splits * stride : 0);
   // Items go to other threads only in runs large enough to pay for waking them (kThreadBytes).
