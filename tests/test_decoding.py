@@ -134,8 +134,8 @@ def test_a_call_large_enough_to_stream_gives_the_bits_of_smaller_calls() -> None
     _close(whole, oracle(q, k, v)[0], torch.float32)
 
 
-# query heads sharing a key/value head (chunks of 32 keys), and one per key/value head (a lone
-# row: chunks of 256 keys, here several and a part of one)
+# query heads sharing a key/value head, and one per key/value head (a lone row: the contiguous
+# cache reads longer passes than the pages, which hold four heads a token; the same bits)
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
 @pytest.mark.parametrize("splits", [1, 2])
 def test_paged_equals_attention_bit_for_bit(
