@@ -55,7 +55,7 @@ constexpr int64_t kSplitKeys = 1024;  // the fewest keys a split gets where spli
 // Splits are chosen so that a call has at least kSplitItems work items: a number of the call's
 // sizes alone, never of the thread count, so one thread and many give the same bits.
 constexpr int64_t kSplitItems = 32;
-// Calls that read at most this many bytes of keys and values do not ask for the next chunk's
+// Calls that read at most this many bytes of keys and values do not ask for the next pass's
 // rows ahead: such a cache is likely still in the CPU's caches from its last step, where the
 // requests cost more instructions than they save (a number of the call, never of the CPU).
 constexpr int64_t kStreamBytes = int64_t{4} << 20;
@@ -74,6 +74,11 @@ struct KeyRun {
 // read `span` keys a pass.
 struct Item {
   int64_t s, t0, t1, kv0, kv1, a, b, span;
+
+  int64_t heads() const { return kv1 - kv0; }
+  // query rows per key/value head, and in all, for g query heads per key/value head
+  int64_t per_kv(int64_t g) const { return (t1 - t0) * g; }
+  int64_t rows(int64_t g) const { return per_kv(g) * heads(); }
 };
 
 // A thread's buffers for the item it runs: R query rows, row r = ((kv − kv0) · tokens + t − t0) ·
@@ -211,8 +216,8 @@ void pass_scores(const float* q, int64_t per_kv, int64_t heads, int64_t D, const
 template <typename T, typename L>
 void run_pass(const L& lay, const Item& item, Rows& w, const PassRows<T>& now,
               const PassRows<T>& next) {
-  const int64_t g = lay.Hq / lay.Hkv, per_kv = (item.t1 - item.t0) * g;
-  const int64_t heads = item.kv1 - item.kv0, R = per_kv * heads, span = item.span;
+  const int64_t g = lay.Hq / lay.Hkv, per_kv = item.per_kv(g), heads = item.heads();
+  const int64_t R = item.rows(g), span = item.span;
   pass_scores(w.q.data(), per_kv, heads, lay.D, now, item.kv0 * lay.k_head, lay.k_head, w.s.data(),
               span, next);
   for (int64_t b0 = 0; b0 < now.n; b0 += kChunk) {  // now.c0 is a multiple of kChunk
@@ -221,7 +226,7 @@ void run_pass(const L& lay, const Item& item, Rows& w, const PassRows<T>& now,
       softmax_step(lay, w, r, w.s.data() + r * span + b0, now.c0 + b0, n);
     // Σ p v a few keys at a time for every head before the next few, so that heads lying side by
     // side (a page's token) are read together; each row still adds its keys in order.
-    const int64_t step = item.kv1 - item.kv0 > 1 ? kValueKeys : n;
+    const int64_t step = heads > 1 ? kValueKeys : n;
     for (int64_t j0 = b0; j0 < b0 + n; j0 += step) {
       const int64_t m = std::min(step, b0 + n - j0);
       const int64_t ahead = std::clamp(next.n - j0, int64_t{0}, m);
@@ -333,8 +338,8 @@ std::vector<Item> plan_items(const L& lay, int64_t& splits) {
 // pass's bookkeeping over more keys. element: the bytes of one K or V value.
 template <typename L>
 int64_t pass_span(const L& lay, const Item& item, int64_t element, bool stream) {
-  if (stream || (item.t1 - item.t0) * (lay.Hq / lay.Hkv) > 1) return kChunk;
-  const int64_t row = (item.kv1 - item.kv0) * (lay.D + lay.Dv) * element;
+  if (stream || item.per_kv(lay.Hq / lay.Hkv) > 1) return kChunk;
+  const int64_t row = item.heads() * (lay.D + lay.Dv) * element;
   return std::clamp(kPassBytes / row / kChunk * kChunk, kChunk, kLoneSpan);
 }
 
@@ -355,12 +360,11 @@ void decode_core(const L& lay, int64_t splits) {
   constexpr int64_t element = sizeof(T);
   int64_t R = 1, scores = 1, bytes = 0;
   for (const Item& item : groups)
-    bytes += (item.b - item.a) * (item.kv1 - item.kv0) * (lay.D + lay.Dv) * element;
+    bytes += (item.b - item.a) * item.heads() * (lay.D + lay.Dv) * element;
   const bool stream = bytes > kStreamBytes;
   for (Item& item : groups) {
-    const int64_t rows = (item.t1 - item.t0) * (item.kv1 - item.kv0) * g;
     item.span = pass_span(lay, item, element, stream);
-    R = std::max(R, rows), scores = std::max(scores, rows * item.span);
+    R = std::max(R, item.rows(g)), scores = std::max(scores, item.rows(g) * item.span);
   }
   const int64_t stride = R * (lay.Dv + 2);
   std::vector<float> parts(splits > 1 ? n * splits * stride : 0);
@@ -376,7 +380,7 @@ void decode_core(const L& lay, int64_t splits) {
         finish_rows(lay, item, w);
         continue;
       }
-      const int64_t rows = (item.t1 - item.t0) * (item.kv1 - item.kv0) * g;
+      const int64_t rows = item.rows(g);
       float* p = parts.data() + z * stride;
       std::copy(w.acc.begin(), w.acc.begin() + rows * lay.Dv, p);
       std::copy(w.m.begin(), w.m.begin() + rows, p + rows * lay.Dv);
@@ -388,8 +392,7 @@ void decode_core(const L& lay, int64_t splits) {
     Rows& w = thread_rows(R, lay.D, lay.Dv, 0);
     for (int64_t i = begin; i < end; ++i) {
       const Item& item = groups[i];
-      const int64_t rows = (item.t1 - item.t0) * (item.kv1 - item.kv0) * g;
-      merge_splits(lay, item, parts.data() + i * splits * stride, splits, stride, rows, w);
+      merge_splits(lay, item, parts.data() + i * splits * stride, splits, stride, item.rows(g), w);
     }
   });
 }
