@@ -58,42 +58,36 @@ struct Ahead {
 };
 
 // acc[r][e0 … e0 + VN · kLanes) += Σ_{j < n} p[r · p_stride + j] · v_j[e0 …] for four rows r (acc
-// rows acc_stride apart; VN 1 or 2 vectors), v_j at v[j] + offset; the last vector only
-// its first `last` lanes unless kFull. The accumulators are named variables, not an array: an
-// array of vectors is kept in memory by the compiler (a store per multiply-add), variables stay
-// in registers over the keys.
+// rows acc_stride apart; VN vectors), v_j at v[j] + offset; the last vector only its first `last`
+// lanes unless kFull. The 4 · VN accumulators are values indexed by constants (each fold below
+// names every one), which the compiler keeps in registers over the keys.
 template <typename T, int VN, bool kFull>
 inline void add_block(float* acc, int64_t acc_stride, const float* p, int64_t p_stride,
                       const T* const* v, int64_t offset, int64_t n, int64_t e0, int64_t last,
                       const Ahead<T>& ahead) {
-  static_assert(VN == 1 || VN == 2);
+  constexpr int A = 4 * VN;  // accumulator i: row i / VN, vector i % VN
   const auto full = [](int c) { return kFull || c + 1 < VN; };
-  const auto load = [&](int r, int c) {
-    const float* x = acc + r * acc_stride + e0 + c * kLanes;
-    return full(c) ? Vec::loadu(x) : Vec::loadu(x, last);
-  };
-  const auto store = [&](const Vec& sum, int r, int c) {
-    float* x = acc + r * acc_stride + e0 + c * kLanes;
-    if (full(c)) sum.store(x); else sum.store(x, last);
-  };
-  Vec a00 = load(0, 0), a10 = load(1, 0), a20 = load(2, 0), a30 = load(3, 0), a01, a11, a21, a31;
-  if constexpr (VN == 2) a01 = load(0, 1), a11 = load(1, 1), a21 = load(2, 1), a31 = load(3, 1);
+  const auto at = [&](int i) { return acc + (i / VN) * acc_stride + e0 + (i % VN) * kLanes; };
+  std::array<Vec, A> a;
+  [&]<size_t... I>(std::index_sequence<I...>) {
+    ((a[I] = full(I % VN) ? Vec::loadu(at(I)) : Vec::loadu(at(I), last)), ...);
+  }(std::make_index_sequence<A>{});
   for (int64_t j = 0; j < n; ++j) {
     if (j < ahead.n) prefetch(ahead.v[j] + ahead.offset, ahead.Dv);
     const T* row = v[j] + offset + e0;
-    const Vec x0 = full(0) ? load_float(row) : load_float(row, last);
-    Vec x1;
-    if constexpr (VN == 2) x1 = kFull ? load_float(row + kLanes) : load_float(row + kLanes, last);
-    const Vec w0(p[j]), w1(p[p_stride + j]), w2(p[2 * p_stride + j]), w3(p[3 * p_stride + j]);
-    a00 = at::vec::fmadd(w0, x0, a00), a10 = at::vec::fmadd(w1, x0, a10);
-    a20 = at::vec::fmadd(w2, x0, a20), a30 = at::vec::fmadd(w3, x0, a30);
-    if constexpr (VN == 2) {
-      a01 = at::vec::fmadd(w0, x1, a01), a11 = at::vec::fmadd(w1, x1, a11);
-      a21 = at::vec::fmadd(w2, x1, a21), a31 = at::vec::fmadd(w3, x1, a31);
-    }
+    std::array<Vec, VN> x;
+    [&]<size_t... C>(std::index_sequence<C...>) {
+      ((x[C] = full(C) ? load_float(row + C * kLanes) : load_float(row + C * kLanes, last)), ...);
+    }(std::make_index_sequence<VN>{});
+    const std::array<Vec, 4> w{Vec(p[j]), Vec(p[p_stride + j]), Vec(p[2 * p_stride + j]),
+                               Vec(p[3 * p_stride + j])};
+    [&]<size_t... I>(std::index_sequence<I...>) {
+      ((a[I] = at::vec::fmadd(w[I / VN], x[I % VN], a[I])), ...);
+    }(std::make_index_sequence<A>{});
   }
-  store(a00, 0, 0), store(a10, 1, 0), store(a20, 2, 0), store(a30, 3, 0);
-  if constexpr (VN == 2) store(a01, 0, 1), store(a11, 1, 1), store(a21, 2, 1), store(a31, 3, 1);
+  [&]<size_t... I>(std::index_sequence<I...>) {
+    ((full(I % VN) ? a[I].store(at(I)) : a[I].store(at(I), last)), ...);
+  }(std::make_index_sequence<A>{});
 }
 
 // acc (rows × Dv, rows a multiple of four) += p (rows × n) · V, for one piece of VN vectors.
@@ -141,9 +135,10 @@ inline void with_count(int64_t count, F&& f) {
 }
 
 // Vectors of a value row's piece one add_block holds per query row: its 4 × kValueVecs
-// accumulators, the piece and the weight fit in 16 registers (AVX2 too). A lone row takes up to
-// kRowVecs at a time (64 features).
-constexpr int kValueVecs = 2;
+// accumulators, the piece and the weights fit in the vector registers (16 of AVX2's 8 lanes, 32 of
+// AVX-512's 16: 64 features at a time there). A lone row takes up to kRowVecs at a time (64
+// features).
+constexpr int kValueVecs = kLanes >= 16 ? 4 : 2;
 constexpr int kRowVecs = static_cast<int>(64 / kLanes);
 
 // acc (rows × Dv) += p (rows × n, rows p_stride apart) · V, value row j at v[j] + offset: rows four
