@@ -178,6 +178,38 @@ void locate(const L& lay, int64_t s, int64_t c0, int64_t c1, PassRows<T>& rows) 
   }
 }
 
+// Rows r0 … r0 + RB − 1 of each key/value head's query rows against a pass's keys, for
+// pass_scores (which says how). One row of an item with one key/value head (a lone row of a
+// contiguous cache) takes a loop of its own, free of the heads' address arithmetic.
+template <typename T, int RB>
+void score_block_rows(const float* q, int64_t per_kv, int64_t heads, int64_t D,
+                      const PassRows<T>& now, int64_t offset, int64_t k_head, float* s,
+                      int64_t stride, const PassRows<T>& ahead, int64_t r0) {
+  constexpr int KB = kBlockKeys<RB>;
+  const int64_t n = now.n, last = n - 1, ahead_n = r0 == 0 ? ahead.n : 0;
+  std::array<const T*, KB> keys;
+  if (RB == 1 && heads == 1) {  // one key/value head: its row r0
+    const float* qr = q + r0 * D;
+    float* sr = s + r0 * stride;
+    for (int64_t i = 0; i < n; i += KB) {
+      for (int64_t y = i; y < std::min<int64_t>(i + KB, ahead_n); ++y)
+        prefetch(ahead.k[y] + offset, D);
+      for (int k = 0; k < KB; ++k) keys[k] = now.k[std::min<int64_t>(i + k, last)] + offset;
+      block_scores<T, RB>(qr, keys.data(), D, sr + i, stride);
+    }
+    return;
+  }
+  for (int64_t i = 0; i < n; i += KB) {
+    for (int64_t x = 0; x < heads; ++x) {
+      const int64_t at = offset + x * k_head, row = x * per_kv + r0;
+      for (int64_t y = i; y < std::min<int64_t>(i + KB, ahead_n); ++y)
+        prefetch(ahead.k[y] + at, D);
+      for (int k = 0; k < KB; ++k) keys[k] = now.k[std::min<int64_t>(i + k, last)] + at;
+      block_scores<T, RB>(q + row * D, keys.data(), D, s + row * stride + i, stride);
+    }
+  }
+}
+
 // Scores of the item's query rows (per_kv rows of D from q for each of its key/value heads, head
 // x's rows x · per_kv on) against the pass's keys (key i of head kv0 + x at keys[i] + offset + x ·
 // k_head), into s (rows `stride` apart): rows four, then two, then one at a time, keys
@@ -190,23 +222,13 @@ template <typename T>
 void pass_scores(const float* q, int64_t per_kv, int64_t heads, int64_t D, const PassRows<T>& now,
                  int64_t offset, int64_t k_head, float* s, int64_t stride,
                  const PassRows<T>& ahead) {
-  const auto run = [&](auto block, int64_t r0) {
-    constexpr int RB = decltype(block)::value, KB = kBlockKeys<RB>;
-    std::array<const T*, KB> keys;
-    for (int64_t i = 0; i < now.n; i += KB) {
-      for (int64_t x = 0; x < heads; ++x) {
-        const int64_t at = offset + x * k_head, row = x * per_kv + r0;
-        if (r0 == 0)
-          for (int64_t y = i; y < std::min(i + KB, ahead.n); ++y) prefetch(ahead.k[y] + at, D);
-        for (int k = 0; k < KB; ++k) keys[k] = now.k[std::min(i + k, now.n - 1)] + at;
-        block_scores<T, RB>(q + row * D, keys.data(), D, s + row * stride + i, stride);
-      }
-    }
-  };
   int64_t r = 0;
-  for (; r + 4 <= per_kv; r += 4) run(std::integral_constant<int, 4>{}, r);
-  for (; r + 2 <= per_kv; r += 2) run(std::integral_constant<int, 2>{}, r);
-  for (; r < per_kv; ++r) run(std::integral_constant<int, 1>{}, r);
+  for (; r + 4 <= per_kv; r += 4)
+    score_block_rows<T, 4>(q, per_kv, heads, D, now, offset, k_head, s, stride, ahead, r);
+  for (; r + 2 <= per_kv; r += 2)
+    score_block_rows<T, 2>(q, per_kv, heads, D, now, offset, k_head, s, stride, ahead, r);
+  for (; r < per_kv; ++r)
+    score_block_rows<T, 1>(q, per_kv, heads, D, now, offset, k_head, s, stride, ahead, r);
 }
 
 // One pass's keys for every row of the item: the scores of all its keys (each key row read once
