@@ -85,7 +85,7 @@ def _compare(fn: Callable[..., Any], tensors: list[torch.Tensor], sources: list[
 
 @pytest.mark.parametrize(
     ("backend", "name"),
-    zip(["flash", "auto", "reference"], list(_mods(_learned()[1])), strict=True),
+    list(zip(["flash", "auto", "reference"], list(_mods(_learned()[1])), strict=True)),
 )
 def test_attention_with_mods_compiles_whole(backend: str, name: str) -> None:
     tensors, captured = _learned()

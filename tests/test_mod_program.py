@@ -167,7 +167,7 @@ def test_block_states_of_a_mask() -> None:
     def diagonal(b: Any, h: Any, qi: Any, kv: Any) -> Any:
         return (qi >= kv) & (qi - kv < 128)
 
-    states = program_call.evaluate_states(diagonal, (1, 2, 300, 400))
+    states = program_call.mask_states(diagonal, (1, 2, 300, 400))
     assert states.shape == (3, 4)
     empty, partial, full = program_call.EMPTY, program_call.PARTIAL, program_call.FULL
     assert states[1].tolist() == [partial, partial, empty, empty]

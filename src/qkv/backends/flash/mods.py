@@ -253,18 +253,24 @@ def base2_step(score_mod: Callable[..., Any]) -> Callable[..., torch.Tensor]:
 
 def compiled_step(score_mod: Any, plain: Callable[..., Any]) -> Callable[..., Any] | None:
     """``torch.compile`` of the step (static shapes: each tile shape compiles once), cached per
-    score_mod; None where it failed before."""
+    score_mod."""
+    compiled = cached(_COMPILED, score_mod, lambda: torch.compile(plain, dynamic=False))
+    return compiled  # type: ignore[no-any-return]
+
+
+def cached(cache: collections.OrderedDict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
+    """cache[key], made by ``make`` the first time; the _CACHE_SIZE most recently used kept. An
+    unhashable key (a mod that cannot be hashed) is made for this call only."""
     try:
-        if score_mod in _COMPILED:
-            _COMPILED.move_to_end(score_mod)
-            return _COMPILED[score_mod]
-    except TypeError:  # an unhashable callable: compile it for this call only
-        return torch.compile(plain, dynamic=False)
-    compiled = torch.compile(plain, dynamic=False)
-    _COMPILED[score_mod] = compiled
-    while len(_COMPILED) > _CACHE_SIZE:
-        _COMPILED.popitem(last=False)
-    return compiled
+        hash(key)
+    except TypeError:
+        return make()
+    if key not in cache:
+        cache[key] = make()
+        while len(cache) > _CACHE_SIZE:
+            cache.popitem(last=False)
+    cache.move_to_end(key)
+    return cache[key]
 
 
 def _check_captured(result: torch.Tensor, captured: list[torch.Tensor]) -> None:
@@ -309,49 +315,46 @@ def _occupancy(
     if own_occupancy is not None:
         result: torch.Tensor = own_occupancy(shape, QUERY_TILE, KEY_BLOCK)
         return result
-    try:
-        key = (mask_mod, shape, device, _versions(mask_mod))
-        hash(key)
-    except TypeError:
-        return _evaluate_occupancy(run, shape, device)
-    if key in _OCCUPANCY:
-        _OCCUPANCY.move_to_end(key)
-        return _OCCUPANCY[key]
-    _OCCUPANCY[key] = _evaluate_occupancy(run, shape, device)
-    while len(_OCCUPANCY) > _CACHE_SIZE:
-        _OCCUPANCY.popitem(last=False)
-    return _OCCUPANCY[key]
+    key = (mask_mod, shape, device, versions(mask_mod))
+    return cached(  # type: ignore[no-any-return]
+        _OCCUPANCY, key, lambda: block_states(run, shape, QUERY_TILE, KEY_BLOCK, device)
+    )
 
 
-def _versions(mod: Any) -> tuple[tuple[int, int, int], ...]:
+def versions(mod: Any) -> tuple[tuple[int, int, int], ...]:
     """Every tensor the mod reads, as (id, data pointer, version): a tensor changed in place, or
     another one in its place, makes a new cache key."""
     return tuple((id(t), t.data_ptr(), t._version) for t in own.captured_tensors(mod, every=True))
 
 
-def _evaluate_occupancy(
-    mask_mod: Callable[..., Any], shape: tuple[int, int, int, int], device: torch.device
+def block_states(
+    mask_mod: Callable[..., Any],
+    shape: tuple[int, int, int, int],
+    query_block: int,
+    key_block: int,
+    device: torch.device,
 ) -> torch.Tensor:
-    """Evaluate the mask_mod tile by tile (QUERY_TILE × up to 16 key blocks at a time) and
-    reduce each QUERY_TILE × KEY_BLOCK block to EMPTY, PARTIAL or FULL."""
+    """(ceil(Lq / query_block), ceil(Lk / key_block)) int8 on the CPU: each block EMPTY, PARTIAL
+    or FULL over every batch entry and head, the mask_mod evaluated one query block and up to
+    16 key blocks at a time (the loop's occupancy and the compiled programs' block states)."""
     batch, heads, lq, lk = shape
-    blocks = math.ceil(lk / KEY_BLOCK)
-    states = torch.empty(math.ceil(lq / QUERY_TILE), blocks, dtype=torch.int8)
-    chunk = 16 * KEY_BLOCK
-    for i, q0 in enumerate(range(0, lq, QUERY_TILE)):
-        q1 = min(lq, q0 + QUERY_TILE)
+    blocks = math.ceil(lk / key_block)
+    states = torch.empty(math.ceil(lq / query_block), blocks, dtype=torch.int8)
+    chunk = 16 * key_block
+    for i, q0 in enumerate(range(0, lq, query_block)):
+        q1 = min(lq, q0 + query_block)
         for k0 in range(0, lk, chunk):
             k1 = min(lk, k0 + chunk)
             keep = mask_mod(*own.indices(batch, heads, q0, q1, k0, k1, device))
             keep = own.checked("mask_mod", keep, (batch, heads, q1 - q0, k1 - k0), torch.bool)
             some, every = _columns(keep, k1 - k0)
-            pad = (-(k1 - k0)) % KEY_BLOCK
-            n = (k1 - k0 + pad) // KEY_BLOCK
-            some = torch.nn.functional.pad(some, (0, pad)).view(n, KEY_BLOCK).any(dim=1)
+            pad = (-(k1 - k0)) % key_block
+            n = (k1 - k0 + pad) // key_block
+            some = torch.nn.functional.pad(some, (0, pad)).view(n, key_block).any(dim=1)
             every = torch.nn.functional.pad(every, (0, pad), value=True)
-            every = every.view(n, KEY_BLOCK).all(dim=1)
+            every = every.view(n, key_block).all(dim=1)
             state = torch.where(every, FULL, torch.where(some, PARTIAL, EMPTY))
-            states[i, k0 // KEY_BLOCK : k0 // KEY_BLOCK + n] = state.to(torch.int8).cpu()
+            states[i, k0 // key_block : k0 // key_block + n] = state.to(torch.int8).cpu()
     return states
 
 

@@ -50,7 +50,6 @@ from qkv.backends.flash.program import (
 from qkv.backends.flash.rules import kernel_ranges
 
 ENABLED = os.environ.get("QKV_FLEX_PROGRAM", "1") != "0"
-_CACHE_SIZE = 16
 _PROGRAMS: collections.OrderedDict[Any, Program | None] = collections.OrderedDict()
 _STATES: collections.OrderedDict[Any, torch.Tensor] = collections.OrderedDict()
 EMPTY, PARTIAL, FULL = flash_mods.EMPTY, flash_mods.PARTIAL, flash_mods.FULL
@@ -179,7 +178,7 @@ def _mask_parts(
         if mask_mod.q_block % QUERY_BLOCK or mask_mod.kv_block % STATE_BLOCK:
             return None
         return mask_mod.mask_mod, lambda shape: _block_mask_states(mask_mod, shape)
-    return mask_mod, lambda shape: _states(mask_mod, shape)
+    return mask_mod, lambda shape: mask_states(mask_mod, shape)
 
 
 def _block_mask_states(mask: Any, shape: tuple[int, int, int, int]) -> torch.Tensor:
@@ -193,29 +192,10 @@ def _block_mask_states(mask: Any, shape: tuple[int, int, int, int]) -> torch.Ten
     return merged.repeat_interleave(mask.kv_block // STATE_BLOCK, 1)[:, :columns].contiguous()
 
 
-def _cached(cache: collections.OrderedDict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
-    try:
-        hash(key)
-    except TypeError:  # an unhashable mod: for this call only
-        return make()
-    if key not in cache:
-        cache[key] = make()
-        while len(cache) > _CACHE_SIZE:
-            cache.popitem(last=False)
-    cache.move_to_end(key)
-    return cache[key]
-
-
 def _program(call: Call, score_mod: Any, mask_fn: Any) -> Program | None:
     """The mods' program, proven on this call's first tile the first time (cached)."""
-    key = tuple((m, _versions(m)) for m in (score_mod, mask_fn) if m is not None)
-    return _cached(_PROGRAMS, key, lambda: _proven(call, score_mod, mask_fn))  # type: ignore[no-any-return]
-
-
-def _versions(mod: Any) -> tuple[tuple[int, int, int], ...]:
-    """Every tensor the mod reads, as (id, data pointer, version): a tensor changed in place, or
-    another one in its place, makes a new cache key."""
-    return tuple((id(t), t.data_ptr(), t._version) for t in own.captured_tensors(mod, every=True))
+    key = tuple((m, flash_mods.versions(m)) for m in (score_mod, mask_fn) if m is not None)
+    return flash_mods.cached(_PROGRAMS, key, lambda: _proven(call, score_mod, mask_fn))  # type: ignore[no-any-return]
 
 
 def _proven(call: Call, score_mod: Any, mask_fn: Any) -> Program | None:
@@ -274,40 +254,13 @@ def prove(program: Program, call: Call, score_mod: Any, mask_fn: Any) -> str | N
     return None
 
 
-def _states(mask_mod: Callable[..., Any], shape: tuple[int, int, int, int]) -> torch.Tensor:
-    key = (mask_mod, shape, _versions(mask_mod))
-    return _cached(_STATES, key, lambda: evaluate_states(mask_mod, shape))  # type: ignore[no-any-return]
-
-
-def evaluate_states(mask_mod: Callable[..., Any], shape: tuple[int, int, int, int]) -> torch.Tensor:
-    """(ceil(Lq / 128), ceil(Lk / 128)) int8 EMPTY/PARTIAL/FULL of the mask_mod over every batch
-    entry and head, evaluated one query block and up to 16 state blocks at a time."""
-    batch, heads, lq, lk = shape
-    columns = math.ceil(lk / STATE_BLOCK)
-    states = torch.empty(math.ceil(lq / QUERY_BLOCK), columns, dtype=torch.int8)
-    chunk = 16 * STATE_BLOCK
-    for i, q0 in enumerate(range(0, lq, QUERY_BLOCK)):
-        q1 = min(lq, q0 + QUERY_BLOCK)
-        for k0 in range(0, lk, chunk):
-            k1 = min(lk, k0 + chunk)
-            rows = (batch, heads, q1 - q0, k1 - k0)
-            keep = own.checked(
-                "mask_mod",
-                mask_mod(*own.indices(*shape[:2], q0, q1, k0, k1, torch.device("cpu"))),
-                rows,
-                torch.bool,
-            )
-            keep = keep.expand(rows).reshape(-1, k1 - k0).view(torch.uint8)
-            pad = (-(k1 - k0)) % STATE_BLOCK
-            blocks = (k1 - k0 + pad) // STATE_BLOCK
-            some = (
-                torch.nn.functional.pad(keep, (0, pad)).view(-1, blocks, STATE_BLOCK).amax((0, 2))
-            )
-            every = (
-                torch.nn.functional.pad(keep, (0, pad), value=1)
-                .view(-1, blocks, STATE_BLOCK)
-                .amin((0, 2))
-            )
-            state = torch.where(every > 0, FULL, torch.where(some > 0, PARTIAL, EMPTY))
-            states[i, k0 // STATE_BLOCK : k0 // STATE_BLOCK + blocks] = state.to(torch.int8)
-    return states
+def mask_states(mask_mod: Callable[..., Any], shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """The mask_mod's block states over (QUERY_BLOCK, STATE_BLOCK) blocks (cached)."""
+    key = (mask_mod, shape, flash_mods.versions(mask_mod))
+    return flash_mods.cached(  # type: ignore[no-any-return]
+        _STATES,
+        key,
+        lambda: flash_mods.block_states(
+            mask_mod, shape, QUERY_BLOCK, STATE_BLOCK, torch.device("cpu")
+        ),
+    )
