@@ -60,6 +60,18 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def process_peak_mib() -> float:
+    """This process's peak resident memory so far, MiB: /proc's VmHWM, its own since it started
+    (Linux); elsewhere ru_maxrss, which on Linux a process inherits from the one that started it
+    where that one was larger (so a bench's worker would report its parent's size)."""
+    try:
+        return status_kib("VmHWM") / 1024
+    except (OSError, RuntimeError):
+        import resource  # Unix only
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
 def status_kib(field_name: str) -> int:
     """A ``/proc/self/status`` field in KiB (VmRSS: now, VmHWM: the peak)."""
     with open("/proc/self/status") as status:
@@ -89,11 +101,9 @@ def memory_check(
 
 def peak_memory_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """The worker's side of ``memory_check``: run the step, report the process's peak."""
-    import resource  # Unix only
-
     b, h, t, d = spec["batch"], spec["heads"], spec["length"], spec["dim"]
     variant = spec.get("variant", "causal")
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    baseline = process_peak_mib()
     q, k, v, grad = (torch.randn(b, h, t, d) for _ in range(4))
     for x in (q, k, v):
         x.requires_grad_()
@@ -102,7 +112,7 @@ def peak_memory_worker(spec: dict[str, Any]) -> dict[str, Any]:
     out = qkv.attention(q, k, v, causal=True, backend="flash", **extra)
     torch.autograd.backward(out, grad)
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    peak = process_peak_mib()
     tensors = 8 * q.numel() * q.element_size() / MIB  # q, k, v, grad, out, dq, dk, dv
     return {
         "length": t,

@@ -35,6 +35,7 @@ from qkv.backends.flash import mods as flash_mods
 from qkv.backends.flash import program_call
 from qkv.bench import flex_speed
 from qkv.bench.cases import Shape
+from qkv.bench.memory import process_peak_mib
 from qkv.bench.timing import interleaved, progress, seconds
 
 MIB = 2**20
@@ -197,13 +198,11 @@ def memory_check(length: int, shape: Shape, threads: int | None) -> dict[str, An
 
 
 def memory_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """The fresh process's side: one training step, then the process's peak (ru_maxrss)."""
-    import resource  # Unix only
-
+    """The fresh process's side: one training step, then the process's peak."""
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     b, h, t, d = spec["batch"], spec["heads"], spec["length"], spec["dim"]
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    baseline = process_peak_mib()
     q, k, v, grad = (torch.randn(b, h, t, d) for _ in range(4))
     for x in (q, k, v):
         x.requires_grad_()
@@ -217,7 +216,7 @@ def memory_worker(spec: dict[str, Any]) -> dict[str, Any]:
     torch.autograd.backward(out, grad)
     took = time.perf_counter() - start
     assert table.grad is not None and bool(table.grad.isfinite().all())
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux -> MiB
+    peak = process_peak_mib()
     return {
         "shape": f"B={b} H={h} T={t} D={d}",
         "pass": "forward+backward, causal, learned relative-bias score_mod, float32",
