@@ -142,8 +142,9 @@ constexpr int kValueVecs = kLanes >= 16 ? 4 : 2;
 constexpr int kRowVecs = static_cast<int>(64 / kLanes);
 
 // acc (rows × Dv) += p (rows × n, rows p_stride apart) · V, value row j at v[j] + offset: rows four
-// at a time, Dv in pieces of kValueVecs whole vectors, then whole vectors, then a partial one;
-// then the rows left one at a time, Dv in pieces of up to kRowVecs (the last partial).
+// at a time, Dv in pieces of kValueVecs whole vectors (then of two), then whole vectors, then a
+// partial one; then the rows left one at a time, Dv in pieces of up to kRowVecs (the last
+// partial).
 template <typename T>
 void add_values(float* acc, const float* p, int64_t p_stride, int64_t rows, const T* const* v,
                 int64_t offset, int64_t n, int64_t Dv, const Ahead<T>& ahead) {
@@ -154,6 +155,11 @@ void add_values(float* acc, const float* p, int64_t p_stride, int64_t rows, cons
     for (; e0 + kValueVecs * kLanes <= Dv; e0 += kValueVecs * kLanes)
       add_piece<T, kValueVecs, true>(acc, p, p_stride, four, v, offset, n, Dv, e0, kLanes,
                                      e0 == 0 ? ahead : none);
+    if constexpr (kValueVecs > 2) {  // a rest of two vectors in one piece (D 32 on AVX-512)
+      for (; e0 + 2 * kLanes <= Dv; e0 += 2 * kLanes)
+        add_piece<T, 2, true>(acc, p, p_stride, four, v, offset, n, Dv, e0, kLanes,
+                              e0 == 0 ? ahead : none);
+    }
     for (; e0 + kLanes <= Dv; e0 += kLanes)
       add_piece<T, 1, true>(acc, p, p_stride, four, v, offset, n, Dv, e0, kLanes,
                             e0 == 0 ? ahead : none);
