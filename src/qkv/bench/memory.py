@@ -69,7 +69,8 @@ def process_peak_mib() -> float:
     except (OSError, RuntimeError):
         import resource  # Unix only
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, else KiB
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / MIB
 
 
 def status_kib(field_name: str) -> int:
