@@ -2,7 +2,7 @@
 with a few queries, ``attention_with_cache`` with a ``KVCache``, and ``qkv.varlen_attn`` over
 packed keys and over a paged pool. Each path runs with its keys split across threads
 (``kernel.DECODE_SPLITS``, forced here so that both branches run on any number of cores) and
-unsplit; both match the float64 oracle, for lengths that are no multiple of a page (16), a chunk
+unsplit; both match the float64 oracle, for lengths that are no multiple of a page (16), a block
 (32) or a split.
 """
 
@@ -122,7 +122,7 @@ def test_varlen_paged_and_packed_split_and_unsplit_match_the_oracle(
 
 
 def test_a_call_large_enough_to_stream_gives_the_bits_of_smaller_calls() -> None:
-    """A call reading more than 4 MiB of keys and values asks for each next chunk's rows ahead
+    """A call reading more than 4 MiB of keys and values asks for each next pass's rows ahead
     (decode.h's kStreamBytes); one head at a time reads less and does not. The arithmetic is the
     same: the outputs are equal, and equal the oracle."""
     q = torch.randn(1, 8, 1, 64)
@@ -142,7 +142,7 @@ def test_paged_equals_attention_bit_for_bit(
     heads: tuple[int, int], splits: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A paged sequence and the same keys as one contiguous cache run the very same arithmetic
-    (the core's chunks and splits start at the same keys), so the outputs are equal."""
+    (the core's blocks and splits start at the same keys), so the outputs are equal."""
     monkeypatch.setattr(kernel, "DECODE_SPLITS", splits)
     b = batch([1, 1], [77, 603], hq=heads[0], hkv=heads[1], d=64, dv=64)
     paged, _ = _varlen(b, True, {"causal": True})

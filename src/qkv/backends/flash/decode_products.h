@@ -1,7 +1,7 @@
-// The products of decoding's core (decode.h), for a chunk of keys: scores of a block of query
+// The products of decoding's core (decode.h), for a pass of keys: scores of a block of query
 // rows against a block of keys, summed across lanes together (block_scores, lane_sums), and
-// acc += p · V over the chunk's value rows (add_values), with the loads that widen bfloat16 and
-// the prefetches that ask for the next chunk's rows meanwhile. Keys and values are reached by a
+// acc += p · V over a block's value rows (add_values), with the loads that widen bfloat16 and
+// the prefetches that ask for the next pass's rows meanwhile. Keys and values are reached by a
 // pointer per row, so any layout (a contiguous cache, pages, packed sequences) runs this code.
 
 #pragma once
@@ -49,7 +49,7 @@ inline void prefetch(const T* x, int64_t n) {
   for (int64_t b = 0; b < size; b += 64) __builtin_prefetch(bytes + b, 0, 2);
 }
 
-// The value rows of the next chunk to ask for while a chunk's values are summed: row j at
+// The value rows of the next pass to ask for while this pass's values are summed: row j at
 // v[j] + offset, Dv values each, j < n (n 0: none).
 template <typename T>
 struct Ahead {

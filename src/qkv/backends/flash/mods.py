@@ -253,7 +253,8 @@ def base2_step(score_mod: Callable[..., Any]) -> Callable[..., torch.Tensor]:
 
 def compiled_step(score_mod: Any, plain: Callable[..., Any]) -> Callable[..., Any] | None:
     """``torch.compile`` of the step (static shapes: each tile shape compiles once), cached per
-    score_mod."""
+    score_mod; None where it failed before (a step that disagreed with the plain one is cached as
+    None)."""
     compiled = cached(_COMPILED, score_mod, lambda: torch.compile(plain, dynamic=False))
     return compiled  # type: ignore[no-any-return]
 
