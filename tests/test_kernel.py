@@ -152,14 +152,22 @@ def assert_matches_float64(
         torch.testing.assert_close(grad.double(), want, atol=4 * atol, rtol=4 * rtol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+# (dtype, where the float32 products run): both backward paths, the kernel's own tiles and
+# oneDNN's brgemm (which sums dKᵀ and dVᵀ), whichever this build picks by itself ("auto").
+PRODUCT_PATHS = [(torch.float32, "tiles"), (torch.float32, "brgemm"), (torch.bfloat16, "auto")]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "products"), PRODUCT_PATHS, ids=[f"{d}-{p}" for d, p in PRODUCT_PATHS]
+)
 @pytest.mark.parametrize("case", CASES, ids=[case[0] for case in CASES])
 def test_the_compiled_backward_matches_float64(
-    monkeypatch: pytest.MonkeyPatch, case: tuple[Any, ...], dtype: torch.dtype
+    monkeypatch: pytest.MonkeyPatch, case: tuple[Any, ...], dtype: torch.dtype, products: str
 ) -> None:
     """This machine's build, forward and backward, every call on the kernel."""
     if kernel.load() is None:
         pytest.skip("the compiled kernel is switched off or cannot be built here")
+    monkeypatch.setattr(kernel, "GEMM", products)
     _, q_shape, k_shape, v_shape, rule = case
     compiled, calls = kernel.backward, []
     monkeypatch.setattr(kernel, "backward", lambda *a, **kw: calls.append(1) or compiled(*a, **kw))
@@ -262,15 +270,18 @@ def _rule_arguments(case: tuple[Any, ...], dtype: torch.dtype) -> tuple[list[tor
     return [x.to(dtype).requires_grad_() for x in (q, k, v)], kwargs
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    ("dtype", "products"), PRODUCT_PATHS, ids=[f"{d}-{p}" for d, p in PRODUCT_PATHS]
+)
 @pytest.mark.parametrize("case", RULE_CASES, ids=[case[0] for case in RULE_CASES])
 def test_the_compiled_backward_takes_every_score_rule(
-    monkeypatch: pytest.MonkeyPatch, case: tuple[Any, ...], dtype: torch.dtype
+    monkeypatch: pytest.MonkeyPatch, case: tuple[Any, ...], dtype: torch.dtype, products: str
 ) -> None:
     """Windows, packed segments, soft-capping and ALiBi (its slopes' gradient too) on the
     kernel's backward pass, never the loop's, against the float64 reference's gradients."""
     if kernel.load() is None:
         pytest.skip("the compiled kernel is switched off or cannot be built here")
+    monkeypatch.setattr(kernel, "GEMM", products)
     compiled, calls = kernel.backward, []
     monkeypatch.setattr(kernel, "backward", lambda *a, **kw: calls.append(1) or compiled(*a, **kw))
     monkeypatch.setattr(loop, "backward_all", None)  # the loop's backward must not run

@@ -127,8 +127,8 @@ at::Tensor decode_step(const at::Tensor& q, const at::Tensor& k_new, const at::T
 std::vector<at::Tensor> backward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& dlse, double scale,
-    bool causal, int64_t offset, bool windowed, int64_t window, const at::Tensor& ranges,
-    int64_t heads_per_range, double softcap, const at::Tensor& slopes) {
+    bool causal, int64_t offset, bool windowed, int64_t window, int64_t products,
+    const at::Tensor& ranges, int64_t heads_per_range, double softcap, const at::Tensor& slopes) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
               v.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
@@ -142,7 +142,7 @@ std::vector<at::Tensor> backward(
                        score_rules(softcap, slopes, q.size(0), k.size(1), q.size(1))};
   TORCH_CHECK(dlse.numel() == 0 || (dlse.scalar_type() == at::kFloat && dlse.sizes() == lse.sizes()),
               "dlse: float32 shaped as lse");
-  return backward_impl(q, k, v, out, dout, lse, dlse, call);
+  return backward_impl(q, k, v, out, dout, lse, dlse, call, static_cast<Products>(products));
 }
 
 // Whether oneDNN runs bfloat16 products on this CPU's matrix units (AMX).

@@ -387,10 +387,18 @@ def backward(
         return None
     kernel = load()
     assert kernel is not None  # built by takes
+    causal, offset, windowed, window, *others = _rule_arguments(
+        causal_offset, window_offset, ranges, softcap, slopes
+    )
     dq, dk, dv, dslopes = kernel.backward(
         *backward_tensors(q, k, v, out, grad_out, lse, grad_lse),
         scale,
-        *_rule_arguments(causal_offset, window_offset, ranges, softcap, slopes),
+        causal,
+        offset,
+        windowed,
+        window,
+        PRODUCTS.index(cached_products()),
+        *others,
     )
     grads = dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
     return (*grads, None if slopes is None else dslopes)

@@ -89,18 +89,25 @@ void pack_transposed(const float* x, int64_t S, int64_t D, float* to) {
     }
 }
 
-// n rows of x (n, D) as xᵀ (D, n), rows ld apart: ATen's transpose (16 × 16 tiles in vector
-// registers with AVX-512, element by element elsewhere) on 64 rows at a time, which stay in L1
-// (at::Tensor::contiguous() of the transposed view ran at 2 ns an element: a fifth of a
-// packed call at T = 16384). x holds float32, or 32-bit words (pairs of bfloat16) as float32
-// bits, which the transpose only moves.
-void transpose_rows(const float* x, int64_t n, int64_t D, float* to, int64_t ld) {
+// n rows of x (n, D) (its rows x_ld apart: D where not given) as xᵀ (D, n), rows ld apart:
+// ATen's transpose (16 × 16 tiles in vector registers with AVX-512, element by element
+// elsewhere) on 64 rows at a time, which stay in L1 (at::Tensor::contiguous() of the
+// transposed view ran at 2 ns an element: a fifth of a packed call at T = 16384). x holds
+// float32, or 32-bit words (pairs of bfloat16) as float32 bits, which the transpose only moves.
+void transpose_rows(const float* x, int64_t n, int64_t D, float* to, int64_t ld,
+                    int64_t x_ld = -1) {
   constexpr int64_t kTile = 64;
+  if (x_ld < 0) x_ld = D;
   for (int64_t j0 = 0; j0 < n; j0 += kTile) {
     const int rows = static_cast<int>(std::min(kTile, n - j0));
-    at::vec::transpose_mxn<float>(x + j0 * D, D, to + j0, ld, rows, static_cast<int>(D));
+    at::vec::transpose_mxn<float>(x + j0 * x_ld, x_ld, to + j0, ld, rows, static_cast<int>(D));
   }
 }
+
+// The row length of a (D, S) transposed operand: S in whole vectors of 16, and 16 more, so
+// that its rows (kᵀ's, read down the columns) do not all fall into the same few cache sets
+// where S is a power of two.
+inline int64_t transposed_ld(int64_t S) { return (S + 15) / 16 * 16 + 16; }
 
 // n ≤ kKeyBlock keys kh (n, D) and values vh (n, Dv) of one head into kb and vb in the
 // bfloat16 products' pairs-of-rows order.

@@ -56,6 +56,9 @@ struct Code {
   std::vector<char> invariant;
   // Per register: whether its derivative with respect to the score (register 0) may be nonzero.
   std::vector<char> varies;
+  // The result's derivative with respect to the score where it is one number for every key (a
+  // score plus or minus a bias, times a constant: slope_of), NaN where it is not.
+  float slope = std::numeric_limits<float>::quiet_NaN();
 
   bool present() const { return result >= 0; }
 };
@@ -339,10 +342,11 @@ struct ModProgram {
     float constant = 1.f;  // the tangent where it is the same for every key
     if (score.present()) {
       Registers& r = thread_registers(0);
-      const int64_t result = run(score, r, p, scale, n, z, i, j0, &t);
+      const bool constant_slope = !std::isnan(score.slope);  // no tangents to run
+      const int64_t result = run(score, r, p, scale, n, z, i, j0, constant_slope ? nullptr : &t);
       write(r, result, p, n);
-      if (code_varies(result)) tangent = t.row(result);
-      else constant = 0.f;
+      if (constant_slope) constant = score.slope;
+      else tangent = t.row(result);
     } else {
       for (int64_t j = 0; j < n; ++j) p[j] *= scale;
     }
@@ -358,7 +362,6 @@ struct ModProgram {
     }
   }
 
-  bool code_varies(int64_t result) const { return score.varies[result] != 0; }
 
   // [begin, end) narrowed to the non-empty state blocks of the query block starting at q0
   // (begin ≥ end: none).
@@ -409,6 +412,26 @@ struct ModProgram {
   }
 };
 
+// The derivative of instruction `in`'s result with respect to the score where it is one number
+// for every key, from its operands' (slopes: NaN where one is not; constants: each register's
+// value where a kConst instruction set it, NaN otherwise): a sum or difference of such,
+// a negation, a product with a constant; 0 where it does not vary with the score. NaN otherwise.
+inline float slope_of(const int64_t* in, const std::vector<char>& varies,
+                      const std::vector<float>& slopes, const std::vector<float>& constants) {
+  if (!varies[in[1]]) return 0.f;
+  const auto slope = [&](int64_t x) { return slopes[x]; };
+  switch (in[0]) {
+    case kAdd: return slope(in[2]) + slope(in[3]);
+    case kSub: return slope(in[2]) - slope(in[3]);
+    case kNeg: return -slope(in[2]);
+    case kMul:  // (NaN · 0 is NaN: a product of two varying registers stays NaN)
+      if (!varies[in[3]]) return slope(in[2]) * constants[in[3]];
+      if (!varies[in[2]]) return constants[in[2]] * slope(in[3]);
+      return std::numeric_limits<float>::quiet_NaN();
+    default: return std::numeric_limits<float>::quiet_NaN();
+  }
+}
+
 // Whether instruction `in`'s result may have a nonzero derivative with respect to the score.
 inline bool differentiable(const int64_t* in, const std::vector<char>& varies) {
   switch (in[0]) {
@@ -437,6 +460,10 @@ inline Code code_of(const at::Tensor& ops, const at::Tensor& constants, int64_t 
   std::vector<char> fixed(registers, 0), invariant(ops.size(0), 0), varies(registers, 0);
   fixed[1] = fixed[2] = fixed[4] = 1;  // b, h, j: the same for every row of a block
   varies[0] = 1;                       // the score
+  const float none = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> slopes(registers, 0.f), values(registers, none);
+  slopes[0] = 1.f;
+  const float* constants_data = constants.const_data_ptr<float>();
   bool reads_keys = result == 4;
   for (int64_t k = 0; k < ops.size(0); ++k) {
     bool all = true;
@@ -446,11 +473,14 @@ inline Code code_of(const at::Tensor& ops, const at::Tensor& constants, int64_t 
       all = all && fixed[a];
       reads_keys = reads_keys || a == 4;
     }
-    fixed[in[5 * k + 1]] = invariant[k] = all;
-    varies[in[5 * k + 1]] = differentiable(in + 5 * k, varies);
+    const int64_t d = in[5 * k + 1];
+    fixed[d] = invariant[k] = all;
+    varies[d] = differentiable(in + 5 * k, varies);
+    slopes[d] = slope_of(in + 5 * k, varies, slopes, values);
+    values[d] = in[5 * k] == kConst ? constants_data[in[5 * k + 2]] : none;
   }
-  return {in, ops.size(0), constants.const_data_ptr<float>(), result, registers, reads_keys,
-          std::move(invariant), std::move(varies)};
+  return {in, ops.size(0), constants_data, result, registers, reads_keys,
+          std::move(invariant), std::move(varies), slopes[result]};
 }
 
 // The program of program.py's arguments; the tensors must outlive it.

@@ -119,6 +119,7 @@ def backward(
         offset or 0,
         window is not None,
         window or 0,
+        kernel.PRODUCTS.index(kernel.cached_products()),
         *ranges,
         *program.arguments(),
         states,

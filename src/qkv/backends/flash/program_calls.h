@@ -68,11 +68,11 @@ std::vector<at::Tensor> forward_program(
 std::vector<at::Tensor> backward_program(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& dout, const at::Tensor& lse, const at::Tensor& dlse, double scale,
-    bool causal, int64_t offset, bool windowed, int64_t window, const at::Tensor& ranges,
-    int64_t heads_per_range, const at::Tensor& score_ops, const at::Tensor& score_constants,
-    int64_t score_result, const at::Tensor& mask_ops, const at::Tensor& mask_constants,
-    int64_t mask_result, const std::vector<at::Tensor>& tables, const at::Tensor& states,
-    int64_t heads) {
+    bool causal, int64_t offset, bool windowed, int64_t window, int64_t products,
+    const at::Tensor& ranges, int64_t heads_per_range, const at::Tensor& score_ops,
+    const at::Tensor& score_constants, int64_t score_result, const at::Tensor& mask_ops,
+    const at::Tensor& mask_constants, int64_t mask_result, const std::vector<at::Tensor>& tables,
+    const at::Tensor& states, int64_t heads) {
   for (const at::Tensor* x : {&q, &k, &v, &out, &dout, &lse})
     TORCH_CHECK(x->scalar_type() == at::kFloat && x->is_contiguous() && x->dim() >= 2,
                 "backward_program: contiguous float32 tensors");
@@ -85,7 +85,8 @@ std::vector<at::Tensor> backward_program(
                   mask_result, tables, states, heads, scale);
   const CallRules call = program_rules(q, k, scale, causal, offset, windowed, window, ranges,
                                        heads_per_range, program);
-  std::vector<at::Tensor> grads = backward_impl(q, k, v, out, dout, lse, dlse, call);
+  std::vector<at::Tensor> grads =
+      backward_impl(q, k, v, out, dout, lse, dlse, call, static_cast<Products>(products));
   grads.pop_back();  // (no slopes)
   return grads;
 }
@@ -115,11 +116,13 @@ std::vector<at::Tensor> evaluate_program(
       float* s = modified.data_ptr<float>() + (z * R + row) * n;
       for (int64_t j = 0; j < n; ++j) s[j] *= static_cast<float>(scale);
       if (program.score.present()) {
-        const int64_t result = program.run(program.score, r, s, 1.f, n, z, q0 + row, k0, &t);
+        const bool constant_slope = !std::isnan(program.score.slope);  // as gradients runs it
+        const int64_t result = program.run(program.score, r, s, 1.f, n, z, q0 + row, k0,
+                                           constant_slope ? nullptr : &t);
         ModProgram::write(r, result, s, n);
         float* d = slope.data_ptr<float>() + (z * R + row) * n;
-        if (program.code_varies(result)) std::copy(t.row(result), t.row(result) + n, d);
-        else std::fill(d, d + n, 0.f);
+        if (constant_slope) std::fill(d, d + n, program.score.slope);
+        else std::copy(t.row(result), t.row(result) + n, d);
       }
       if (program.mask.present())
         ModProgram::write(m, program.run(program.mask, m, nullptr, 1.f, n, z, q0 + row, k0),
