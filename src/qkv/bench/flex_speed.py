@@ -140,7 +140,7 @@ def _training(shape: Shape, repeats: int) -> dict[str, Any]:
         assert isinstance(out, torch.Tensor)
         torch.autograd.backward(out.sum())
 
-    row = _timed({"forward": forward, "forward + backward": training}, max(3, repeats // 2))
+    row = _timed({"forward": forward, "forward + backward": training}, max(7, repeats))
     row["training_over_forward"] = row["ms"]["forward + backward"] / row["ms"]["forward"]
     progress(f"training, relative bias, T={length} float32: {row}")
     return row

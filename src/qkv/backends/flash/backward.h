@@ -43,35 +43,39 @@ struct GradientBlock {
 };
 
 // What one thread works its tasks in: a block's weights P and score gradients dS (Bq, Bk), its
-// dQ (Bq, D), and the task's head's kᵀ and vᵀ (packed per task: a head at a time, not all
-// heads): in panels for the tiles, (D, S) rows for brgemm, which also reads the block's qᵀ
-// (D, Bq) and dOᵀ (Dv, Bq).
+// dQ (Bq, D), its rows' lse in base 2 and delta, and the task's head's kᵀ and vᵀ (packed per
+// task: a head at a time, not all heads): in panels for the tiles, (D, S) rows for brgemm,
+// which also reads the block's qᵀ (D, Bq) and dOᵀ (Dv, Bq) and sums the task's dKᵀ (D, S) and
+// dVᵀ (Dv, S) here (rows ldt apart), to be transposed into dK and dV at the task's end.
 struct BackwardScratch {
-  Scratch<float> weights, grads, dq_block, key_panels, value_panels, q_t, dout_t;
+  Scratch<float> weights, grads, dq_block, rows_lse2, rows_delta, key_panels, value_panels, q_t,
+      dout_t, dk_t, dv_t;
 
   BackwardScratch(int64_t S, int64_t D, int64_t Dv, Products path)
       : weights(kQueryBlock * kScoreStride), grads(kQueryBlock * kScoreStride),
-        dq_block(kQueryBlock * D),
+        dq_block(kQueryBlock * D), rows_lse2(kQueryBlock), rows_delta(kQueryBlock),
         key_panels(path == Products::kBrgemm ? D * transposed_ld(S)
                                              : (S + kPanel - 1) / kPanel * kPanel * D),
         value_panels(path == Products::kBrgemm ? Dv * transposed_ld(S)
                                                : (S + kPanel - 1) / kPanel * kPanel * Dv),
         q_t(path == Products::kBrgemm ? D * kQueryBlock : 0),
-        dout_t(path == Products::kBrgemm ? Dv * kQueryBlock : 0) {}
+        dout_t(path == Products::kBrgemm ? Dv * kQueryBlock : 0),
+        dk_t(path == Products::kBrgemm ? D * transposed_ld(S) : 0),
+        dv_t(path == Products::kBrgemm ? Dv * transposed_ld(S) : 0) {}
 };
 
 // One call's backward pass, a task (a part of one key/value head's query blocks) at a time. Its
 // functions are the parts of one loop, split to be read: always inlined (ForwardPass says why).
 struct BackwardPass {
-  const float *q, *k, *v, *dout;  // (NG, Lq, D), (N, S, D), (N, S, Dv), (NG, Lq, Dv)
-  const float *lse2, *delta;      // (NG, Lq): lse in base 2 (+inf: no key), Σ_e dO · O
+  const float *q, *k, *v, *out, *dout;  // (NG, Lq, D), (N, S, D), (N, S, Dv), 2 × (NG, Lq, Dv)
+  const float *lse, *dlse;  // (NG, Lq); dlse: the gradient of lse (nullptr: none)
   int64_t NG, Lq, D, N, S, Dv, parts;
   const CallRules& call;
   Products path;        // the tiles, or brgemm (which sums dKᵀ and dVᵀ: no transposed operand)
   int64_t ldt;          // brgemm: the row length of kᵀ, vᵀ, dKᵀ and dVᵀ (transposed_ld(S))
   float* dq;            // (NG, Lq, D)
-  float* dk_parts;      // (parts, N, S, D); brgemm: dKᵀ, (parts, N, D, ldt)
-  float* dv_parts;      // (parts, N, S, Dv); brgemm: dVᵀ, (parts, N, Dv, ldt)
+  float* dk_parts;      // (parts, N, S, D)
+  float* dv_parts;      // (parts, N, S, Dv)
   float* dslope_parts;  // (parts, NG) where the call has ALiBi slopes
 
   // Task `task`: part task % parts of key/value head task / parts, a contiguous share of its
@@ -88,9 +92,14 @@ struct BackwardPass {
       pack_transposed(v + kv * S * Dv, S, Dv, scratch.value_panels.data());
     }
     const int64_t first = query_blocks * part / parts, last = query_blocks * (part + 1) / parts;
-    const int64_t keys = path == Products::kBrgemm ? ldt : S;
-    float* dk_head = dk_parts + (part * N + kv) * keys * D;
-    float* dv_head = dv_parts + (part * N + kv) * keys * Dv;
+    float* dk_part = dk_parts + (part * N + kv) * S * D;
+    float* dv_part = dv_parts + (part * N + kv) * S * Dv;
+    // The sums: dK and dV in place (tiles), or dKᵀ and dVᵀ in the thread's scratch (brgemm).
+    const bool transposed = path == Products::kBrgemm;
+    float* dk_head = transposed ? scratch.dk_t.data() : dk_part;
+    float* dv_head = transposed ? scratch.dv_t.data() : dv_part;
+    std::fill(dk_head, dk_head + (transposed ? ldt : S) * D, 0.f);
+    std::fill(dv_head, dv_head + (transposed ? ldt : S) * Dv, 0.f);
     for (int64_t head = kv * g; head < (kv + 1) * g; ++head) {
       double distance_sum = 0.0;  // −dL/d slope of this head over this task's rows
       for (int64_t i = first; i < last; ++i) {
@@ -101,6 +110,27 @@ struct BackwardPass {
       if (call.scores.slopes != nullptr) {
         dslope_parts[part * NG + head] = static_cast<float>(-distance_sum);
       }
+    }
+    if (transposed) {
+      transpose_rows(dk_head, D, S, dk_part, D, ldt);
+      transpose_rows(dv_head, Dv, S, dv_part, Dv, ldt);
+    }
+    for (int64_t e = 0; e < S * D; ++e) dk_part[e] *= call.scale;
+  }
+
+  // The rows of a query block: their lse in base 2 (+inf where there is no key, so that
+  // 2^(s · c − lse) = 0) and delta = Σ_e dO · O (less the gradient of lse where it has one:
+  // d lse / d s = p, so dS = P ∘ (dP − delta + dlse)).
+  [[gnu::always_inline]]
+  void row_terms(const GradientBlock& block, BackwardScratch& scratch) const {
+    for (int64_t r = 0; r < block.rows; ++r) {
+      const int64_t row = block.head * Lq + block.q0 + r;
+      const float *o = out + row * Dv, *d = dout + row * Dv;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t e = 0; e < Dv; ++e) sum += d[e] * o[e];
+      scratch.rows_delta[r] = dlse == nullptr ? sum : sum - dlse[row];
+      scratch.rows_lse2[r] = lse[row] == kNegInf ? -kNegInf : lse[row] * kLog2E;
     }
   }
 
@@ -118,6 +148,7 @@ struct BackwardPass {
     auto [keys_begin, keys_end] = call.keys.span(block.head, block.q0, block.q0 + rows - 1);
     if (call.program != nullptr) call.program->trim(block.q0, keys_begin, keys_end);
     std::fill(scratch.dq_block.begin(), scratch.dq_block.end(), 0.f);
+    row_terms(block, scratch);
     if (path == Products::kBrgemm) {
       transpose_rows(q_block, rows, D, scratch.q_t.data(), rows);
       transpose_rows(dout_block, rows, Dv, scratch.dout_t.data(), rows);
@@ -137,7 +168,8 @@ struct BackwardPass {
                      .b = vp + k0 * Dv, .ldb = kPanel, .panel_stride = Dv * kPanel, .c = ds,
                      .ldc = kScoreStride, .add = false});  // dP = dO · vᵀ
       for (int64_t r = 0; r < rows; ++r) {
-        distance_sum += row_gradients(block, r, k0, kn, p + r * kScoreStride, ds + r * kScoreStride);
+        distance_sum += row_gradients(block, r, k0, kn, p + r * kScoreStride,
+                                      ds + r * kScoreStride, scratch);
       }
       product_tiles({.M = kn, .N = Dv, .K = rows, .a = p, .lda = 1, .step = kScoreStride,
                      .b = dout_block, .ldb = Dv, .panel_stride = kPanel, .c = block.dv + k0 * Dv,
@@ -169,12 +201,13 @@ struct BackwardPass {
     brgemm(rows, kn, Dv, Dv, ldt, kScoreStride, false, dout_block,
            scratch.value_panels.data() + k0, ds, false);  // dP = dO · vᵀ
     for (int64_t r = 0; r < rows; ++r) {
-      distance_sum += row_gradients(block, r, k0, kn, p + r * kScoreStride, ds + r * kScoreStride);
+      distance_sum +=
+          row_gradients(block, r, k0, kn, p + r * kScoreStride, ds + r * kScoreStride, scratch);
     }
     brgemm(Dv, kn, rows, rows, kScoreStride, ldt, true, scratch.dout_t.data(), p, block.dv + k0,
            false);  // dVᵀ += dOᵀ · P
     brgemm(D, kn, rows, rows, kScoreStride, ldt, true, scratch.q_t.data(), ds, block.dk + k0,
-           false);  // dKᵀ += qᵀ · dS (scaled at the end)
+           false);  // dKᵀ += qᵀ · dS (scaled at the task's end)
     brgemm(rows, D, kn, kScoreStride, D, D, true, ds, keys + k0 * D, scratch.dq_block.data(),
            false);  // dQ += dS · k
   }
@@ -184,47 +217,32 @@ struct BackwardPass {
   // −dL/d slope (0 without ALiBi).
   [[gnu::always_inline]]
   float row_gradients(const GradientBlock& block, int64_t r, int64_t k0, int64_t kn, float* p,
-                      float* ds) const {
+                      float* ds, const BackwardScratch& scratch) const {
     // Keys from … from + seen − 1 of this block row r may see; the rest get 0.
-    const int64_t i = block.q0 + r, row = block.head * Lq + i;
+    const int64_t i = block.q0 + r;
+    const float top = scratch.rows_lse2[r], delta = scratch.rows_delta[r];
     const auto [lo, hi] = call.keys.row(block.head, i);
     const int64_t from = std::clamp<int64_t>(lo - k0, 0, kn);
     const int64_t seen = std::max(from, std::clamp<int64_t>(hi - k0, 0, kn)) - from;
     std::fill(p, p + from, 0.f);
     std::fill(ds, ds + from, 0.f);
     if (call.program != nullptr) {  // a score_mod / mask_mod program (program.h)
-      call.program->gradients(p + from, ds + from, seen, block.head, i, k0 + from, lse2[row],
-                              delta[row]);
+      call.program->gradients(p + from, ds + from, seen, block.head, i, k0 + from, top, delta);
       std::fill(p + from + seen, p + kn, 0.f);
       std::fill(ds + from + seen, ds + kn, 0.f);
       return 0.f;
     }
     if (!call.scores.any()) {
-      tile_gradients(p + from, ds + from, seen, kn - from, call.exponent_scale(), lse2[row],
-                     delta[row]);
+      tile_gradients(p + from, ds + from, seen, kn - from, call.exponent_scale(), top, delta);
       return 0.f;
     }
     const RowRules rule = call.row(block.head, i, k0 + from);
-    const float part = rule_gradients(p + from, ds + from, seen, rule, lse2[row], delta[row]);
+    const float part = rule_gradients(p + from, ds + from, seen, rule, top, delta);
     std::fill(p + from + seen, p + kn, 0.f);
     std::fill(ds + from + seen, ds + kn, 0.f);
     return part;
   }
 };
-
-// x (N, R, ld) contiguous, its first C columns as (N, C, R), each head transposed in parallel
-// (transpose_rows).
-inline at::Tensor transposed_heads(const at::Tensor& x, int64_t C) {
-  const int64_t N = x.size(0), R = x.size(1), ld = x.size(2);
-  at::Tensor to = at::empty({N, C, R}, x.options());
-  const float* from = x.const_data_ptr<float>();
-  float* into = to.data_ptr<float>();
-  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t h = begin; h < end; ++h)
-      transpose_rows(from + h * R * ld, R, C, into + h * C * R, R, ld);
-  });
-  return to;
-}
 
 // q (NG, Lq, D), k (N, S, D), v (N, S, Dv), out and dout (NG, Lq, Dv), lse and its gradient dlse
 // (NG, Lq; dlse empty: none), contiguous float32: returns dq, dk and dv (the shapes of q, k, v)
@@ -236,27 +254,20 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& q, const at::Tensor& k, 
   const int64_t NG = q.size(0), Lq = q.size(1), D = q.size(2);
   const int64_t N = k.size(0), S = k.size(1), Dv = v.size(2);
   const int64_t query_blocks = (Lq + kQueryBlock - 1) / kQueryBlock;
-  // (NG, Lq); a gradient of lse joins it: d lse / d s = p, so dS = P ∘ (dP − delta + dlse)
-  at::Tensor delta = (dout * out).sum(-1);
-  if (dlse.numel() != 0) delta = delta - dlse;
-  delta = delta.contiguous();
-  // In base 2, as the scores; +inf where there is no key, so that 2^(s · c − lse) = 0.
-  const at::Tensor lse2 = at::where(lse == kNegInf, -kNegInf, lse * kLog2E).contiguous();
   // Parts per head: enough tasks for every thread, never more parts than query blocks.
   const int64_t threads = at::get_num_threads();
   const int64_t parts = std::clamp<int64_t>((threads + N - 1) / N, 1, std::max<int64_t>(1, query_blocks));
+  // Each written whole by its task (in the task: first touched by the thread that fills it).
   auto dq = at::empty({NG, Lq, D}, q.options());
-  const bool transposed = path == Products::kBrgemm;  // dKᵀ and dVᵀ, rows ldt apart
-  const int64_t ldt = transposed_ld(S);
-  auto dk_parts = transposed ? at::zeros({parts, N, D, ldt}, k.options())
-                             : at::zeros({parts, N, S, D}, k.options());
-  auto dv_parts = transposed ? at::zeros({parts, N, Dv, ldt}, v.options())
-                             : at::zeros({parts, N, S, Dv}, v.options());
+  auto dk_parts = at::empty({parts, N, S, D}, k.options());
+  auto dv_parts = at::empty({parts, N, S, Dv}, v.options());
   auto dslope_parts = at::zeros({parts, call.scores.slopes == nullptr ? 0 : NG}, q.options());
   const BackwardPass pass{q.const_data_ptr<float>(), k.const_data_ptr<float>(),
-                          v.const_data_ptr<float>(), dout.const_data_ptr<float>(),
-                          lse2.const_data_ptr<float>(), delta.const_data_ptr<float>(),
-                          NG, Lq, D, N, S, Dv, parts, call, path, ldt, dq.data_ptr<float>(),
+                          v.const_data_ptr<float>(), out.const_data_ptr<float>(),
+                          dout.const_data_ptr<float>(), lse.const_data_ptr<float>(),
+                          dlse.numel() == 0 ? nullptr : dlse.const_data_ptr<float>(),
+                          NG, Lq, D, N, S, Dv, parts, call, path, transposed_ld(S),
+                          dq.data_ptr<float>(),
                           dk_parts.data_ptr<float>(), dv_parts.data_ptr<float>(),
                           dslope_parts.data_ptr<float>()};
   // Tasks are handed out one at a time (as forward_impl's blocks), so that a core that runs
@@ -269,11 +280,7 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& q, const at::Tensor& k, 
   });
   at::Tensor dk = parts == 1 ? dk_parts[0] : dk_parts.sum(0);  // parts added up in order
   at::Tensor dv = parts == 1 ? dv_parts[0] : dv_parts.sum(0);
-  if (transposed) {  // dKᵀ and dVᵀ (N, D, ldt) to (N, S, D)
-    dk = transposed_heads(dk, S);
-    dv = transposed_heads(dv, S);
-  }
-  return {dq, dk.mul_(call.scale), dv, dslope_parts.sum(0)};
+  return {dq, dk, dv, dslope_parts.sum(0)};
 }
 
 }  // namespace

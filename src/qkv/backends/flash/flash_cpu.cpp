@@ -134,14 +134,16 @@ std::vector<at::Tensor> backward(
               v.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
               dout.scalar_type() == at::kFloat && lse.scalar_type() == at::kFloat, "float32");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() &&
-              dout.is_contiguous() && lse.is_contiguous(), "need contiguous");
+              out.is_contiguous() && dout.is_contiguous() && lse.is_contiguous(),
+              "need contiguous");
   TORCH_CHECK(k.size(0) > 0 && q.size(0) % k.size(0) == 0, "heads must group");
   const CallRules call{static_cast<float>(scale),
                        key_bounds(causal, offset, windowed, window, k.size(1), q.size(1), ranges,
                                   heads_per_range),
                        score_rules(softcap, slopes, q.size(0), k.size(1), q.size(1))};
-  TORCH_CHECK(dlse.numel() == 0 || (dlse.scalar_type() == at::kFloat && dlse.sizes() == lse.sizes()),
-              "dlse: float32 shaped as lse");
+  TORCH_CHECK(dlse.numel() == 0 || (dlse.scalar_type() == at::kFloat && dlse.sizes() == lse.sizes() &&
+                                     dlse.is_contiguous()),
+              "dlse: contiguous float32 shaped as lse");
   return backward_impl(q, k, v, out, dout, lse, dlse, call, static_cast<Products>(products));
 }
 
