@@ -195,6 +195,6 @@ def format_versus_torch(record: dict[str, Any]) -> str:
     training = record["training"]
     lines.append(
         f"  training (forward + backward) over forward, relative bias T={LENGTHS[0]} float32: "
-        f"{training['training_over_forward']:.1f}x"
+        f"{training['training_over_forward']:.2f}x"
     )
     return "\n".join(lines)
