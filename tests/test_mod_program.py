@@ -190,6 +190,14 @@ GRADIENT_CASES = {
         {"score_mod": SCORE_MODS["rows and parity"], "mask_mod": MASK_MODS["rows only"]},
         (1, 130, 77, 4),
     ),
+    # a derivative of one number (-0.75) for every pair: the backward pass runs no tangents
+    "scaled and negated, causal": (
+        {
+            "score_mod": lambda score, b, h, qi, kv: 2.0 - score * 0.75 + (qi - kv) / 64,
+            "causal": True,
+        },
+        (1, 300, 300, 2),
+    ),
 }
 
 
