@@ -10,6 +10,7 @@
 //   decode.h     decoding's one core: a few queries per sequence, K/V read once where they lie
 //   decode_products.h  its products for a chunk of keys: blocks of scores, acc += p · V
 //   paged.h      decode.h's core for packed sequences: a paged KV cache, or keys packed in place
+//   program_code.h  a score_mod's / mask_mod's instructions, and what is known before they run
 //   program.h    a score_mod / mask_mod as a program run on each row of scores
 //   program_calls.h  the forward and backward passes with such a program, and the program alone
 //
@@ -141,8 +142,8 @@ std::vector<at::Tensor> backward(
                        key_bounds(causal, offset, windowed, window, k.size(1), q.size(1), ranges,
                                   heads_per_range),
                        score_rules(softcap, slopes, q.size(0), k.size(1), q.size(1))};
-  TORCH_CHECK(dlse.numel() == 0 || (dlse.scalar_type() == at::kFloat && dlse.sizes() == lse.sizes() &&
-                                     dlse.is_contiguous()),
+  TORCH_CHECK(dlse.numel() == 0 || (dlse.scalar_type() == at::kFloat &&
+                                     dlse.sizes() == lse.sizes() && dlse.is_contiguous()),
               "dlse: contiguous float32 shaped as lse");
   return backward_impl(q, k, v, out, dout, lse, dlse, call, static_cast<Products>(products));
 }

@@ -77,8 +77,8 @@ std::vector<at::Tensor> backward_program(
     TORCH_CHECK(x->scalar_type() == at::kFloat && x->is_contiguous() && x->dim() >= 2,
                 "backward_program: contiguous float32 tensors");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
-  TORCH_CHECK(dlse.numel() == 0 || (dlse.scalar_type() == at::kFloat && dlse.sizes() == lse.sizes() &&
-                                     dlse.is_contiguous()),
+  TORCH_CHECK(dlse.numel() == 0 || (dlse.scalar_type() == at::kFloat &&
+                                     dlse.sizes() == lse.sizes() && dlse.is_contiguous()),
               "dlse: contiguous float32 shaped as lse");
   check_program_call(q, k, states, heads);
   const ModProgram program =
