@@ -17,7 +17,7 @@
 
 namespace {
 
-constexpr int64_t kInputs = 5;        // score, b, h, i, j
+constexpr int64_t kInputs = 5;  // score, b, h, i, j
 
 enum Op : int64_t {
   kConst, kAdd, kSub, kMul, kDiv, kMax, kMin, kLt, kLe, kGt, kGe, kEq, kNe, kAnd, kOr, kNot,
@@ -70,7 +70,7 @@ inline float slope_of(const int64_t* in, const std::vector<char>& varies,
     case kAdd: return slope(in[2]) + slope(in[3]);
     case kSub: return slope(in[2]) - slope(in[3]);
     case kNeg: return -slope(in[2]);
-    case kMul:  // (NaN · 0 is NaN: a product of two varying registers stays NaN)
+    case kMul:  // by a factor that does not vary: its constant (NaN where it is no constant)
       if (!varies[in[3]]) return slope(in[2]) * constants[in[3]];
       if (!varies[in[2]]) return constants[in[2]] * slope(in[3]);
       return std::numeric_limits<float>::quiet_NaN();
