@@ -140,10 +140,6 @@ struct BackwardPass {
   void query_block(const GradientBlock& block, const float* keys, double& distance_sum,
                    BackwardScratch& scratch) const {
     const int64_t rows = block.rows;
-    const float* q_block = q + (block.head * Lq + block.q0) * D;
-    const float* dout_block = dout + (block.head * Lq + block.q0) * Dv;
-    const float *kp = scratch.key_panels.data(), *vp = scratch.value_panels.data();
-    float *p = scratch.weights.data(), *ds = scratch.grads.data();
     // Keys this block's rows may see (key blocks outside are skipped), from a whole panel on the
     // tiles.
     auto [keys_begin, keys_end] = call.keys.span(block.head, block.q0, block.q0 + rows - 1);
@@ -151,66 +147,69 @@ struct BackwardPass {
     std::fill(scratch.dq_block.begin(), scratch.dq_block.end(), 0.f);
     row_terms(block, scratch);
     if (path == Products::kBrgemm) {
-      transpose_rows(q_block, rows, D, scratch.q_t.data(), rows);
-      transpose_rows(dout_block, rows, Dv, scratch.dout_t.data(), rows);
+      transpose_rows(q + (block.head * Lq + block.q0) * D, rows, D, scratch.q_t.data(), rows);
+      transpose_rows(dout + (block.head * Lq + block.q0) * Dv, rows, Dv, scratch.dout_t.data(),
+                     rows);
     }
     const int64_t align = path == Products::kBrgemm ? 1 : kPanel;
     for (int64_t k0 = keys_begin / align * align; k0 < keys_end; k0 += kKeyBlock) {
       const int64_t kn = std::min(kKeyBlock, keys_end - k0);
       if (call.program != nullptr && call.program->skips(block.q0, k0, kn)) continue;
-      if (path == Products::kBrgemm) {
-        block_on_brgemm(block, keys, k0, kn, distance_sum, scratch);
-        continue;
-      }
+      key_block(block, keys, k0, kn, distance_sum, scratch);
+    }
+    float* dq_rows = dq + (block.head * Lq + block.q0) * D;
+    for (int64_t e = 0; e < rows * D; ++e) dq_rows[e] = scratch.dq_block[e] * call.scale;
+  }
+
+  // query_block's work on keys k0 … k0 + kn − 1: s = q · kᵀ and dP = dO · vᵀ, each row's
+  // weights P and score gradients dS (row_gradients), then the three sums. On brgemm none of
+  // the products reads an operand transposed per block: it sums dVᵀ += dOᵀ · P and
+  // dKᵀ += qᵀ · dS (block.dv and block.dk hold dVᵀ (Dv, S) and dKᵀ (D, S)) on qᵀ and dOᵀ
+  // transposed once per query block; the tiles read Pᵀ and dSᵀ in place (lda 1).
+  [[gnu::always_inline]]
+  void key_block(const GradientBlock& block, const float* keys, int64_t k0, int64_t kn,
+                 double& distance_sum, BackwardScratch& scratch) const {
+    using at::native::cpublas::brgemm;
+    const int64_t rows = block.rows;
+    const float* q_block = q + (block.head * Lq + block.q0) * D;
+    const float* dout_block = dout + (block.head * Lq + block.q0) * Dv;
+    const float *kp = scratch.key_panels.data(), *vp = scratch.value_panels.data();
+    float *p = scratch.weights.data(), *ds = scratch.grads.data();
+    float* dq_block = scratch.dq_block.data();
+    if (path == Products::kBrgemm) {
+      brgemm(rows, kn, D, D, ldt, kScoreStride, false, q_block, kp + k0, p, false);  // s = q · kᵀ
+      brgemm(rows, kn, Dv, Dv, ldt, kScoreStride, false, dout_block, vp + k0, ds,
+             false);  // dP = dO · vᵀ
+    } else {
       product_tiles({.M = rows, .N = kn, .K = D, .a = q_block, .lda = D, .step = 1,
                      .b = kp + k0 * D, .ldb = kPanel, .panel_stride = D * kPanel, .c = p,
                      .ldc = kScoreStride, .add = false});  // s = q · kᵀ
       product_tiles({.M = rows, .N = kn, .K = Dv, .a = dout_block, .lda = Dv, .step = 1,
                      .b = vp + k0 * Dv, .ldb = kPanel, .panel_stride = Dv * kPanel, .c = ds,
                      .ldc = kScoreStride, .add = false});  // dP = dO · vᵀ
-      for (int64_t r = 0; r < rows; ++r) {
-        distance_sum += row_gradients(block, r, k0, kn, p + r * kScoreStride,
-                                      ds + r * kScoreStride, scratch);
-      }
-      product_tiles({.M = kn, .N = Dv, .K = rows, .a = p, .lda = 1, .step = kScoreStride,
-                     .b = dout_block, .ldb = Dv, .panel_stride = kPanel, .c = block.dv + k0 * Dv,
-                     .ldc = Dv, .add = true});  // dV += Pᵀ · dO
-      product_tiles({.M = kn, .N = D, .K = rows, .a = ds, .lda = 1, .step = kScoreStride,
-                     .b = q_block, .ldb = D, .panel_stride = kPanel, .c = block.dk + k0 * D,
-                     .ldc = D, .add = true});  // dK += dSᵀ · q (scaled at the end)
-      product_tiles({.M = rows, .N = D, .K = kn, .a = ds, .lda = kScoreStride, .step = 1,
-                     .b = keys + k0 * D, .ldb = D, .panel_stride = kPanel,
-                     .c = scratch.dq_block.data(), .ldc = D, .add = true});  // dQ += dS · k
     }
-    float* dq_rows = dq + (block.head * Lq + block.q0) * D;
-    for (int64_t e = 0; e < rows * D; ++e) dq_rows[e] = scratch.dq_block[e] * call.scale;
-  }
-
-  // query_block's products on keys k0 … k0 + kn − 1 on brgemm, none of them reading an operand
-  // transposed per block: dVᵀ += dOᵀ · P and dKᵀ += qᵀ · dS (block.dv and block.dk hold dVᵀ
-  // (Dv, S) and dKᵀ (D, S)), on qᵀ and dOᵀ transposed once per query block.
-  [[gnu::always_inline]]
-  void block_on_brgemm(const GradientBlock& block, const float* keys, int64_t k0, int64_t kn,
-                       double& distance_sum, BackwardScratch& scratch) const {
-    using at::native::cpublas::brgemm;
-    const int64_t rows = block.rows;
-    const float* q_block = q + (block.head * Lq + block.q0) * D;
-    const float* dout_block = dout + (block.head * Lq + block.q0) * Dv;
-    float *p = scratch.weights.data(), *ds = scratch.grads.data();
-    brgemm(rows, kn, D, D, ldt, kScoreStride, false, q_block, scratch.key_panels.data() + k0, p,
-           false);  // s = q · kᵀ
-    brgemm(rows, kn, Dv, Dv, ldt, kScoreStride, false, dout_block,
-           scratch.value_panels.data() + k0, ds, false);  // dP = dO · vᵀ
     for (int64_t r = 0; r < rows; ++r) {
       distance_sum +=
           row_gradients(block, r, k0, kn, p + r * kScoreStride, ds + r * kScoreStride, scratch);
     }
-    brgemm(Dv, kn, rows, rows, kScoreStride, ldt, true, scratch.dout_t.data(), p, block.dv + k0,
-           false);  // dVᵀ += dOᵀ · P
-    brgemm(D, kn, rows, rows, kScoreStride, ldt, true, scratch.q_t.data(), ds, block.dk + k0,
-           false);  // dKᵀ += qᵀ · dS (scaled at the task's end)
-    brgemm(rows, D, kn, kScoreStride, D, D, true, ds, keys + k0 * D, scratch.dq_block.data(),
-           false);  // dQ += dS · k
+    if (path == Products::kBrgemm) {
+      brgemm(Dv, kn, rows, rows, kScoreStride, ldt, true, scratch.dout_t.data(), p,
+             block.dv + k0, false);  // dVᵀ += dOᵀ · P
+      brgemm(D, kn, rows, rows, kScoreStride, ldt, true, scratch.q_t.data(), ds, block.dk + k0,
+             false);  // dKᵀ += qᵀ · dS (scaled at the task's end)
+      brgemm(rows, D, kn, kScoreStride, D, D, true, ds, keys + k0 * D, dq_block,
+             false);  // dQ += dS · k
+      return;
+    }
+    product_tiles({.M = kn, .N = Dv, .K = rows, .a = p, .lda = 1, .step = kScoreStride,
+                   .b = dout_block, .ldb = Dv, .panel_stride = kPanel, .c = block.dv + k0 * Dv,
+                   .ldc = Dv, .add = true});  // dV += Pᵀ · dO
+    product_tiles({.M = kn, .N = D, .K = rows, .a = ds, .lda = 1, .step = kScoreStride,
+                   .b = q_block, .ldb = D, .panel_stride = kPanel, .c = block.dk + k0 * D,
+                   .ldc = D, .add = true});  // dK += dSᵀ · q (scaled at the task's end)
+    product_tiles({.M = rows, .N = D, .K = kn, .a = ds, .lda = kScoreStride, .step = 1,
+                   .b = keys + k0 * D, .ldb = D, .panel_stride = kPanel, .c = dq_block, .ldc = D,
+                   .add = true});  // dQ += dS · k
   }
 
   // Row r of the block against keys k0 … k0 + kn − 1, in place: its scores p become its weights,
@@ -255,6 +254,9 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& q, const at::Tensor& k, 
   const int64_t NG = q.size(0), Lq = q.size(1), D = q.size(2);
   const int64_t N = k.size(0), S = k.size(1), Dv = v.size(2);
   const int64_t query_blocks = (Lq + kQueryBlock - 1) / kQueryBlock;
+  TORCH_CHECK(dlse.numel() == 0 || (dlse.scalar_type() == at::kFloat &&
+                                     dlse.sizes() == lse.sizes() && dlse.is_contiguous()),
+              "dlse: contiguous float32 shaped as lse");
   // Parts per head: enough tasks for every thread, never more parts than query blocks.
   const int64_t threads = at::get_num_threads();
   const int64_t parts = std::clamp<int64_t>((threads + N - 1) / N, 1, std::max<int64_t>(1, query_blocks));

@@ -142,9 +142,6 @@ std::vector<at::Tensor> backward(
                        key_bounds(causal, offset, windowed, window, k.size(1), q.size(1), ranges,
                                   heads_per_range),
                        score_rules(softcap, slopes, q.size(0), k.size(1), q.size(1))};
-  TORCH_CHECK(dlse.numel() == 0 || (dlse.scalar_type() == at::kFloat &&
-                                     dlse.sizes() == lse.sizes() && dlse.is_contiguous()),
-              "dlse: contiguous float32 shaped as lse");
   return backward_impl(q, k, v, out, dout, lse, dlse, call, static_cast<Products>(products));
 }
 

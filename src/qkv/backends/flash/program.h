@@ -303,7 +303,7 @@ struct ModProgram {
     float constant = 1.f;  // the tangent where it is the same for every key
     if (score.present()) {
       Registers& r = thread_registers(0);
-      const bool constant_slope = !std::isnan(score.slope);  // no tangents to run
+      const bool constant_slope = score.constant_slope();  // no tangents to run
       const int64_t result = run(score, r, p, scale, n, z, i, j0, constant_slope ? nullptr : &t);
       write(r, result, p, n);
       if (constant_slope) constant = score.slope;

@@ -77,9 +77,6 @@ std::vector<at::Tensor> backward_program(
     TORCH_CHECK(x->scalar_type() == at::kFloat && x->is_contiguous() && x->dim() >= 2,
                 "backward_program: contiguous float32 tensors");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-d");
-  TORCH_CHECK(dlse.numel() == 0 || (dlse.scalar_type() == at::kFloat &&
-                                     dlse.sizes() == lse.sizes() && dlse.is_contiguous()),
-              "dlse: contiguous float32 shaped as lse");
   check_program_call(q, k, states, heads);
   const ModProgram program =
       mod_program(score_ops, score_constants, score_result, mask_ops, mask_constants,
@@ -117,12 +114,12 @@ std::vector<at::Tensor> evaluate_program(
       float* s = modified.data_ptr<float>() + (z * R + row) * n;
       for (int64_t j = 0; j < n; ++j) s[j] *= static_cast<float>(scale);
       if (program.score.present()) {
-        const bool constant_slope = !std::isnan(program.score.slope);  // as gradients runs it
+        const bool constant = program.score.constant_slope();  // as gradients runs it
         const int64_t result = program.run(program.score, r, s, 1.f, n, z, q0 + row, k0,
-                                           constant_slope ? nullptr : &t);
+                                           constant ? nullptr : &t);
         ModProgram::write(r, result, s, n);
         float* d = slope.data_ptr<float>() + (z * R + row) * n;
-        if (constant_slope) std::fill(d, d + n, program.score.slope);
+        if (constant) std::fill(d, d + n, program.score.slope);
         else std::copy(t.row(result), t.row(result) + n, d);
       }
       if (program.mask.present())

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <utility>
@@ -44,6 +45,7 @@ struct Code {
   float slope = std::numeric_limits<float>::quiet_NaN();
 
   bool present() const { return result >= 0; }
+  bool constant_slope() const { return !std::isnan(slope); }
 };
 
 // The registers an instruction reads (a, b, c as its op uses them), -1 for none.
