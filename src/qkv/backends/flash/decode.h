@@ -11,9 +11,10 @@
 // the keys are split (flash-decoding): each split gives partial (acc, m, l) per row, merged
 // exactly through their log-sum-exps. Items, splits and blocks start at multiples of kChunk
 // counted from key 0, whatever layout holds the keys: two layouts with the same keys run the very
-// same arithmetic. float32 throughout: bfloat16 inputs are widened as they are read. A pass's
-// scores take a block of query rows × keys at a time and sum their dot products across lanes
-// together (lane_sums); while a pass's scores are computed the next pass's key rows are asked for
+// same arithmetic. float32 throughout: bfloat16 inputs are widened as they are read (bfloat16
+// scores take AVX512-BF16's pair dot products where the build has them: decode_products.h). A
+// pass's scores take a block of query rows × keys at a time and sum their dot products across
+// lanes together (lane_sums); while a pass's scores are computed the next pass's key rows are asked for
 // from memory, while its values are summed the next pass's value rows.
 //
 // A Layout gives the core a call's sizes and where things lie: Hq, Hkv, D, Dv, kv_limit (the most
@@ -82,11 +83,13 @@ struct Item {
 };
 
 // A thread's buffers for the item it runs: R query rows, row r = ((kv − kv0) · tokens + t − t0) ·
-// g + (h mod g), their queries (float32), one pass's scores (rows `span` apart), outputs, and
-// their key bounds and rules; m, l as the online softmax keeps them. Kept by each thread from call
-// to call (they only grow), so a small call allocates nothing.
+// g + (h mod g), their queries (float32 in q, or bfloat16 in qb where QueryOf says so), one
+// pass's scores (rows `span` apart), outputs, and their key bounds and rules; m, l as the online
+// softmax keeps them. Kept by each thread from call to call (they only grow), so a small call
+// allocates nothing.
 struct Rows {
   std::vector<float> q, s, acc, m, l;
+  std::vector<at::BFloat16> qb;
   std::vector<int64_t> lo, hi;
   std::vector<RowRules> rules;
 
@@ -94,7 +97,7 @@ struct Rows {
     const auto grow = [](auto& x, int64_t n) {
       if (static_cast<int64_t>(x.size()) < n) x.resize(n);
     };
-    grow(q, R * D), grow(s, scores), grow(acc, R * Dv), grow(m, R), grow(l, R);
+    grow(q, R * D), grow(qb, R * D), grow(s, scores), grow(acc, R * Dv), grow(m, R), grow(l, R);
     grow(lo, R), grow(hi, R), grow(rules, R);
   }
 };
@@ -106,6 +109,12 @@ inline Rows& thread_rows(int64_t R, int64_t D, int64_t Dv, int64_t scores) {
   return rows;
 }
 
+// The item's query rows as the scores read them (QueryOf<T>).
+template <typename T>
+const QueryOf<T>* queries(const Rows& w) {
+  if constexpr (std::is_same_v<QueryOf<T>, float>) return w.q.data(); else return w.qb.data();
+}
+
 template <typename T, typename L>
 void gather_rows(const L& lay, const Item& item, Rows& w) {
   const int64_t g = lay.Hq / lay.Hkv;
@@ -114,7 +123,10 @@ void gather_rows(const L& lay, const Item& item, Rows& w) {
     for (int64_t t = item.t0; t < item.t1; ++t)
       for (int64_t h = kv * g; h < (kv + 1) * g; ++h, ++r) {
         const T* x = lay.query(t, h);
-        for (int64_t d = 0; d < lay.D; ++d) w.q[r * lay.D + d] = static_cast<float>(x[d]);
+        if constexpr (std::is_same_v<QueryOf<T>, float>)
+          for (int64_t d = 0; d < lay.D; ++d) w.q[r * lay.D + d] = static_cast<float>(x[d]);
+        else
+          std::copy(x, x + lay.D, w.qb.data() + r * lay.D);
         const auto [lo, hi] = lay.bounds(t, h);
         w.lo[r] = std::max(lo, item.a), w.hi[r] = std::min(hi, item.b);
         if (lay.scored) w.rules[r] = lay.rule(t, h);
@@ -182,14 +194,14 @@ void locate(const L& lay, int64_t s, int64_t c0, int64_t c1, PassRows<T>& rows) 
 // pass_scores (which says how). One row of an item with one key/value head (a lone row of a
 // contiguous cache) takes a loop of its own, free of the heads' address arithmetic.
 template <typename T, int RB>
-void score_block_rows(const float* q, int64_t per_kv, int64_t heads, int64_t D,
+void score_block_rows(const QueryOf<T>* q, int64_t per_kv, int64_t heads, int64_t D,
                       const PassRows<T>& now, int64_t offset, int64_t k_head, float* s,
                       int64_t stride, const PassRows<T>& ahead, int64_t r0) {
   constexpr int KB = kBlockKeys<RB>;
   const int64_t n = now.n, last = n - 1, ahead_n = r0 == 0 ? ahead.n : 0;
   std::array<const T*, KB> keys;
   if (RB == 1 && heads == 1) {  // one key/value head: its row r0
-    const float* qr = q + r0 * D;
+    const QueryOf<T>* qr = q + r0 * D;
     float* sr = s + r0 * stride;
     for (int64_t i = 0; i < n; i += KB) {
       for (int64_t y = i; y < std::min<int64_t>(i + KB, ahead_n); ++y)
@@ -219,8 +231,8 @@ void score_block_rows(const float* q, int64_t per_kv, int64_t heads, int64_t D,
 // rows of the next pass, `ahead`, are asked for as the first row block goes, so memory streams
 // while this pass computes.
 template <typename T>
-void pass_scores(const float* q, int64_t per_kv, int64_t heads, int64_t D, const PassRows<T>& now,
-                 int64_t offset, int64_t k_head, float* s, int64_t stride,
+void pass_scores(const QueryOf<T>* q, int64_t per_kv, int64_t heads, int64_t D,
+                 const PassRows<T>& now, int64_t offset, int64_t k_head, float* s, int64_t stride,
                  const PassRows<T>& ahead) {
   int64_t r = 0;
   for (; r + 4 <= per_kv; r += 4)
@@ -240,8 +252,8 @@ void run_pass(const L& lay, const Item& item, Rows& w, const PassRows<T>& now,
               const PassRows<T>& next) {
   const int64_t g = lay.Hq / lay.Hkv, per_kv = item.per_kv(g), heads = item.heads();
   const int64_t R = item.rows(g), span = item.span;
-  pass_scores(w.q.data(), per_kv, heads, lay.D, now, item.kv0 * lay.k_head, lay.k_head, w.s.data(),
-              span, next);
+  pass_scores<T>(queries<T>(w), per_kv, heads, lay.D, now, item.kv0 * lay.k_head, lay.k_head,
+                 w.s.data(), span, next);
   for (int64_t b0 = 0; b0 < now.n; b0 += kChunk) {  // now.c0 is a multiple of kChunk
     const int64_t n = std::min(kChunk, now.n - b0);
     for (int64_t r = 0; r < R; ++r)

@@ -1,8 +1,9 @@
 // The products of decoding's core (decode.h), for a pass of keys: scores of a block of query
 // rows against a block of keys, summed across lanes together (block_scores, lane_sums), and
-// acc += p · V over a block's value rows (add_values), with the loads that widen bfloat16 and
-// the prefetches that ask for the next pass's rows meanwhile. Keys and values are reached by a
-// pointer per row, so any layout (a contiguous cache, pages, packed sequences) runs this code.
+// acc += p · V over a block's value rows (add_values), with the loads that widen bfloat16 (or read
+// it in pairs: pair_products) and the prefetches that ask for the next pass's rows meanwhile. Keys
+// and values are reached by a pointer per row, so any layout (a contiguous cache, pages, packed
+// sequences) runs this code.
 
 #pragma once
 
@@ -223,28 +224,69 @@ template <size_t N>
 template <int RB>
 constexpr int kBlockKeys = std::min(static_cast<int>(kLanes) / RB, 4);
 
+// bfloat16 dot products in pairs (AVX512-BF16's vdpbf16ps: a lane adds the exact products of two
+// neighbouring features, rounding once) where the build's instructions have them: a bfloat16 key
+// is then read as it lies, 32 features a vector, with no widening, and its query row is kept in
+// bfloat16 (exactly: the query was bfloat16). Elsewhere every key is widened to float32.
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#define QKV_PAIR_DOTS 1
+constexpr bool kPairDots = true;
+#else
+constexpr bool kPairDots = false;
+#endif
+
+// The query rows' type for keys of type T: bfloat16 where pair dots read bfloat16 keys.
+template <typename T>
+using QueryOf = std::conditional_t<kPairDots && std::is_same_v<T, at::BFloat16>, T, float>;
+
+// a[r · KB + k] += the dot product of query row r (rows D apart) and key k, in pairs of features
+// (kPairDots builds only; 32 features a step, the last step's missing features read as 0).
+template <int RB, int KB>
+[[gnu::always_inline]] inline void pair_products(const at::BFloat16* q,
+                                                 const at::BFloat16* const* keys, int64_t D,
+                                                 std::array<Vec, RB * KB>& a) {
+#ifdef QKV_PAIR_DOTS
+  const auto step = [&](int64_t d, __mmask32 lanes) {
+    __m512bh key[KB];
+    for (int k = 0; k < KB; ++k) key[k] = (__m512bh)_mm512_maskz_loadu_epi16(lanes, keys[k] + d);
+    for (int r = 0; r < RB; ++r) {
+      const auto x = (__m512bh)_mm512_maskz_loadu_epi16(lanes, q + r * D + d);
+      for (int k = 0; k < KB; ++k) a[r * KB + k] = Vec(_mm512_dpbf16_ps(a[r * KB + k], x, key[k]));
+    }
+  };
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) step(d, ~__mmask32{0});
+  if (d < D) step(d, static_cast<__mmask32>((uint64_t{1} << (D - d)) - 1));
+#endif
+}
+
 // Scores of RB query rows (rows of D in q, D apart) against KB = kBlockKeys<RB> keys (key k at
-// keys[k]): s[r · stride + k]. Each key vector is loaded (and widened) once for the RB rows, each
-// query vector once for the keys, and the RB × KB dot products are summed across their lanes
-// together (lane_sums).
-template <typename T, int RB>
-[[gnu::always_inline]] inline void block_scores(const float* q, const T* const* keys, int64_t D,
+// keys[k]): s[r · stride + k]. Each key vector is loaded (and widened, or read in pairs where Q
+// is bfloat16: QueryOf) once for the RB rows, each query vector once for the keys, and the RB ×
+// KB dot products are summed across their lanes together (lane_sums).
+template <typename T, int RB, typename Q>
+[[gnu::always_inline]] inline void block_scores(const Q* q, const T* const* keys, int64_t D,
                                                 float* s, int64_t stride) {
   constexpr int KB = kBlockKeys<RB>;
   std::array<Vec, RB * KB> a;
   a.fill(Vec(0.f));
-  const auto step = [&](int64_t d, int64_t count) {
-    Vec key[KB];
-    for (int k = 0; k < KB; ++k)
-      key[k] = count == kLanes ? load_float(keys[k] + d) : load_float(keys[k] + d, count);
-    for (int r = 0; r < RB; ++r) {
-      const Vec x = count == kLanes ? Vec::loadu(q + r * D + d) : Vec::loadu(q + r * D + d, count);
-      for (int k = 0; k < KB; ++k) a[r * KB + k] = at::vec::fmadd(x, key[k], a[r * KB + k]);
-    }
-  };
-  int64_t d = 0;
-  for (; d + kLanes <= D; d += kLanes) step(d, kLanes);
-  if (d < D) step(d, D - d);
+  if constexpr (std::is_same_v<Q, at::BFloat16>) {
+    pair_products<RB, KB>(q, keys, D, a);
+  } else {
+    const auto step = [&](int64_t d, int64_t count) {
+      Vec key[KB];
+      for (int k = 0; k < KB; ++k)
+        key[k] = count == kLanes ? load_float(keys[k] + d) : load_float(keys[k] + d, count);
+      for (int r = 0; r < RB; ++r) {
+        const Vec x =
+            count == kLanes ? Vec::loadu(q + r * D + d) : Vec::loadu(q + r * D + d, count);
+        for (int k = 0; k < KB; ++k) a[r * KB + k] = at::vec::fmadd(x, key[k], a[r * KB + k]);
+      }
+    };
+    int64_t d = 0;
+    for (; d + kLanes <= D; d += kLanes) step(d, kLanes);
+    if (d < D) step(d, D - d);
+  }
   float sums[kLanes];
   lane_sums<RB * KB>(a).store(sums);
   for (int r = 0; r < RB; ++r)
