@@ -49,7 +49,9 @@ namespace {
 constexpr int64_t kChunk = 32;        // keys per step of the online softmax
 constexpr int64_t kLoneSpan = 256;    // the most keys a pass of one row per key/value head takes
 constexpr int64_t kPassBytes = int64_t{64} << 10;  // … and the most bytes of K and V it reads
-constexpr int64_t kValueKeys = 8;  // keys of Σ p v per head in turn where an item has several
+// Keys of Σ p v per head in turn where an item has several heads, or where a block's float32
+// value rows are summed in many pieces (short_value_steps).
+constexpr int64_t kValueKeys = 8;
 constexpr int64_t kGroupTokens = 8;   // query tokens of one sequence per work item
 constexpr int64_t kItemRows = 128;    // query rows (tokens × heads) an item aims to hold at most
 constexpr int64_t kSplitKeys = 1024;  // the fewest keys a split gets where splits are chosen
@@ -260,7 +262,7 @@ void run_pass(const L& lay, const Item& item, Rows& w, const PassRows<T>& now,
       softmax_step(lay, w, r, w.s.data() + r * span + b0, now.c0 + b0, n);
     // Σ p v a few keys at a time for every head before the next few, so that heads lying side by
     // side (a page's token) are read together; each row still adds its keys in order.
-    const int64_t step = heads > 1 ? kValueKeys : n;
+    const int64_t step = heads > 1 || short_value_steps<T>(lay.Dv, per_kv) ? kValueKeys : n;
     for (int64_t j0 = b0; j0 < b0 + n; j0 += step) {
       const int64_t m = std::min(step, b0 + n - j0);
       const int64_t ahead = std::clamp(next.n - j0, int64_t{0}, m);
