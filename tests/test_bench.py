@@ -15,7 +15,7 @@ import torch
 
 from qkv import cli
 from qkv.backends.flash import kernel
-from qkv.bench import arguments, auto, cases, decode, isa, memory, runs, timing
+from qkv.bench import arguments, auto, cases, decode, isa, memory, runs, timing, wall
 
 
 def test_a_small_run_writes_the_table_json_and_plot(
@@ -159,6 +159,29 @@ def test_decoding_with_a_cache_gives_the_outputs_of_recomputing() -> None:
     assert result["max_abs_difference"] < 1e-5
     assert result["max_abs_difference_vs_one_pass"] < 1e-5
     assert "x faster" in decode.format_decode(result)
+
+
+def test_a_decoding_case_is_set_against_the_bandwidth_read_in_its_rounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    probe = torch.ones(1 << 16)
+    row = wall.decode_case(2, 40, (4, 2), 16, torch.float32, 3, probe)
+    assert row["bandwidth_bytes_per_second"] > 0 and row["kv_bytes"] == 2 * 2 * 2 * 40 * 16 * 4
+    assert all(row[f"{name}_seconds"] > 0 for name in ("contiguous", "paged", "sdpa"))
+    assert row["max_abs_difference"] < 1e-5
+    monkeypatch.setattr(wall, "SHAPES", ((2, 40),))
+    monkeypatch.setattr(wall, "HEADS", ((4, 2),))
+    monkeypatch.setattr(wall, "DIMS", (16,))
+    monkeypatch.setattr(wall, "BANDWIDTH_BYTES", 1 << 18)
+    result = wall.wall_benchmark(repeats=2)
+    for case in result["cases"]:  # each case's share is of its own rounds' reading
+        rate = case["kv_bytes"] / case["contiguous_seconds"]
+        expected = 100 * rate / case["bandwidth_bytes_per_second"]
+        assert math.isclose(case["percent_of_bandwidth"], expected)
+    readings = sorted(case["bandwidth_bytes_per_second"] for case in result["cases"])
+    assert math.isclose(result["bandwidth_bytes_per_second"], (readings[0] + readings[1]) / 2)
+    assert set(result["lowest_percent_of_bandwidth"]) == {"float32", "bfloat16"}
+    assert "bw GB/s" in wall.format_wall(result)
 
 
 def test_the_auto_table_gives_each_backend_and_the_ratio(
