@@ -14,8 +14,8 @@
 // same arithmetic. float32 throughout: bfloat16 inputs are widened as they are read (bfloat16
 // scores take AVX512-BF16's pair dot products where the build has them: decode_products.h). A
 // pass's scores take a block of query rows × keys at a time and sum their dot products across
-// lanes together (lane_sums); while a pass's scores are computed the next pass's key rows are asked for
-// from memory, while its values are summed the next pass's value rows.
+// lanes together (lane_sums); while a pass's scores are computed the next pass's key rows are
+// asked for from memory, while its values are summed the next pass's value rows.
 //
 // A Layout gives the core a call's sizes and where things lie: Hq, Hkv, D, Dv, kv_limit (the most
 // key/value heads one item may take), c (the exponent scale), scored (score rules); per query
