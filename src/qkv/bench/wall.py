@@ -50,24 +50,13 @@ def decode_case(
     query = torch.randn(batch, hq, 1, dim, dtype=dtype)
     cache = paged_cache(keys, values, PAGE_SIZE)
     seqs = list(range(batch))
-    table, used = cache.block_table(seqs), cache.lengths(seqs)
+    pages = {"seqused_k": cache.lengths(seqs), "block_table": cache.block_table(seqs)}
     cu_seq_q = torch.arange(batch + 1, dtype=torch.int32)
+    paged_args = (query.squeeze(2), cache.keys, cache.values, cu_seq_q, None, 1, length)
     outputs: dict[str, torch.Tensor] = {}
     steps = {
         "contiguous": lambda: qkv.attention(query, keys, values, causal=True),
-        "paged": lambda: varlen_out(
-            query.squeeze(2),
-            cache.keys,
-            cache.values,
-            cu_seq_q,
-            None,
-            1,
-            length,
-            causal=True,
-            enable_gqa=True,
-            seqused_k=used,
-            block_table=table,
-        ),
+        "paged": lambda: varlen_out(*paged_args, causal=True, enable_gqa=True, **pages),
         "sdpa": lambda: F.scaled_dot_product_attention(query, keys, values, enable_gqa=True),
         "bandwidth": lambda: probe.sum(),
     }
