@@ -113,7 +113,7 @@ inline Rows& thread_rows(int64_t R, int64_t D, int64_t Dv, int64_t scores) {
 
 // The item's query rows as the scores read them (QueryOf<T>).
 template <typename T>
-const QueryOf<T>* queries(const Rows& w) {
+QueryOf<T>* queries(Rows& w) {
   if constexpr (std::is_same_v<QueryOf<T>, float>) return w.q.data(); else return w.qb.data();
 }
 
@@ -125,10 +125,8 @@ void gather_rows(const L& lay, const Item& item, Rows& w) {
     for (int64_t t = item.t0; t < item.t1; ++t)
       for (int64_t h = kv * g; h < (kv + 1) * g; ++h, ++r) {
         const T* x = lay.query(t, h);
-        if constexpr (std::is_same_v<QueryOf<T>, float>)
-          for (int64_t d = 0; d < lay.D; ++d) w.q[r * lay.D + d] = static_cast<float>(x[d]);
-        else
-          std::copy(x, x + lay.D, w.qb.data() + r * lay.D);
+        QueryOf<T>* row = queries<T>(w) + r * lay.D;
+        for (int64_t d = 0; d < lay.D; ++d) row[d] = static_cast<QueryOf<T>>(x[d]);
         const auto [lo, hi] = lay.bounds(t, h);
         w.lo[r] = std::max(lo, item.a), w.hi[r] = std::min(hi, item.b);
         if (lay.scored) w.rules[r] = lay.rule(t, h);
