@@ -202,6 +202,14 @@ def test_paged_errors_name_the_argument() -> None:
             block_table=table.index_fill(0, torch.tensor([1]), 64),
             seqused_k=used,
         )
+    with pytest.raises(ValueError, match=r"block_table\[0\] points outside the pool of 64"):
+        qkv.varlen_attn(*call, enable_gqa=True, block_table=table * 0 - 1, seqused_k=used)
+    # columns past a sequence's pages are never read: any value there is accepted
+    padded = torch.cat([table, torch.full((2, 3), -1, dtype=table.dtype)], dim=1)
+    out = qkv.varlen_attn(*call, enable_gqa=True, block_table=padded, seqused_k=used)
+    torch.testing.assert_close(
+        out, qkv.varlen_attn(*call, enable_gqa=True, block_table=table, seqused_k=used)
+    )
     with pytest.raises(ValueError, match=r"seqused_k\[0\] = 9 needs 3 pages of 4"):
         qkv.varlen_attn(
             *call[:-1], 9, enable_gqa=True, block_table=table, seqused_k=torch.tensor([9, 3])

@@ -360,19 +360,20 @@ def _paged_packing(
 
 def _check_pages(table: torch.Tensor, k_lens: list[int], pages: int, page_size: int) -> None:
     """Every sequence holds the pages its keys need, all inside the pool (N, max_pages)."""
-    held = (torch.tensor(k_lens, dtype=torch.long) + page_size - 1) // page_size  # (N,)
-    short = (held > table.shape[1]).nonzero().flatten().tolist()
-    if short:
-        i = short[0]
-        raise ValueError(
-            f"seqused_k[{i}] = {k_lens[i]} needs {int(held[i])} pages of {page_size}, but "
-            f"block_table holds {table.shape[1]} per sequence"
-        )
-    used = torch.arange(table.shape[1]) < held[:, None]  # (N, max_pages): the pages read
-    outside = (used & ((table < 0) | (table >= pages))).any(dim=1).nonzero().flatten().tolist()
-    if outside:
-        i = outside[0]
-        raise ValueError(
-            f"block_table[{i}] points outside the pool of {pages} pages: "
-            f"{table[i, : int(held[i])].tolist()[:8]}"
-        )
+    held = [(length + page_size - 1) // page_size for length in k_lens]
+    for i, h in enumerate(held):
+        if h > table.shape[1]:
+            raise ValueError(
+                f"seqused_k[{i}] = {k_lens[i]} needs {h} pages of {page_size}, but "
+                f"block_table holds {table.shape[1]} per sequence"
+            )
+    # the pages read: a few operations on the whole table (a decoding step runs them every call)
+    read = table[torch.arange(table.shape[1]) < torch.tensor(held, dtype=torch.long)[:, None]]
+    if read.numel() == 0 or (int(read.min()) >= 0 and int(read.max()) < pages):
+        return
+    for i, h in enumerate(held):
+        row = table[i, :h]
+        if bool(((row < 0) | (row >= pages)).any()):
+            raise ValueError(
+                f"block_table[{i}] points outside the pool of {pages} pages: {row.tolist()[:8]}"
+            )
