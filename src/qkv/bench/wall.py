@@ -89,7 +89,7 @@ def decode_case(
     }
 
 
-def wall_benchmark(repeats: int = 5) -> dict[str, Any]:
+def wall_benchmark(repeats: int = 9) -> dict[str, Any]:
     """Every case of SHAPES × HEADS × DIMS × DTYPES, each against the read bandwidth measured
     in its rounds; the median of those readings."""
     torch.manual_seed(0)
