@@ -385,3 +385,30 @@ def test_empty_batches() -> None:
     out.sum().backward()
     assert torch.equal(out, torch.zeros_like(out)) and bool((lse == -math.inf).all())
     assert query.grad is not None and torch.equal(query.grad, torch.zeros_like(query))
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 5), st.integers(0, 30)), max_size=6),
+    st.sampled_from([None, 0, 1, 4, 100]),
+    st.sampled_from([None, 0, 2]),
+)
+def test_each_query_token_s_row_of_sequence_keys_and_position(
+    lengths: list[tuple[int, int]], left: int | None, right: int | None
+) -> None:
+    """Property: the kernel's per-token rows (flash's sequences.rows) hold, for each packed query
+    token in order, its sequence, the keys [lo, hi) its window lets it see among its
+    sequence's keys (hi ≥ lo) and its bottom-right position, as the definition gives them."""
+    from qkv.backends.flash.sequences import Packing, VarlenRules, rows
+
+    q_lens, k_lens = [lq for lq, _ in lengths], [lk for _, lk in lengths]
+    q_start = [sum(q_lens[:i]) for i in range(len(q_lens))]
+    packing = Packing(q_start, q_lens, [0] * len(q_lens), k_lens, None)
+    got = rows(packing, VarlenRules(1.0, left, right, None, None, None))
+    expected = []
+    for s, (lq, lk) in enumerate(lengths):
+        for t in range(lq):
+            p = lk - lq + t
+            lo = 0 if left is None else max(p - left, 0)
+            hi = lk if right is None else min(lk, p + right + 1)
+            expected.append([s, min(lo, lk), max(hi, lo), p])
+    assert got.dtype == torch.long and got.tolist() == expected

@@ -40,22 +40,23 @@ class VarlenRules:
 def rows(packing: Packing, rules: VarlenRules) -> torch.Tensor:
     """(T_q, 4) int64 per query token: its sequence, the first and one past the last key it may
     see among its sequence's keys, and its position p (its diagonal)."""
-    q_len = torch.tensor(packing.q_len, dtype=torch.long)
-    k_len = torch.tensor(packing.k_len, dtype=torch.long)
-    q_start = torch.tensor(packing.q_start, dtype=torch.long)
-    ends = q_start + q_len
-    tokens = torch.arange(int(ends[-1]) if len(packing.q_len) else 0)
-    # (T_q,): the sequence of each token, the first whose end lies beyond it (searchsorted, not
-    # repeat_interleave: that one took milliseconds for a few dozen sequences)
-    sequence = torch.searchsorted(ends, tokens, right=True)
-    local = tokens - q_start[sequence]
-    length = k_len[sequence]
-    position = local + length - q_len[sequence]
-    lo = torch.zeros_like(position)
-    hi = length.clone()
-    if rules.left is not None:
-        lo = torch.clamp(position - rules.left, min=0)
-    if rules.right is not None:
-        hi = torch.minimum(hi, position + rules.right + 1)
+    # Per sequence: its number, its keys, and its first query token's position less that token's
+    # index (tokens lie packed in sequence order); then per token. A decoding step runs this
+    # every call: a few operations on whole tensors, not one per sequence.
+    per_sequence = torch.tensor(
+        [
+            (i, lk, lk - lq - q0)
+            for i, (q0, lq, lk) in enumerate(zip(packing.q_start, packing.q_len, packing.k_len))
+        ],
+        dtype=torch.long,
+    ).view(-1, 3)
+    total = sum(packing.q_len)
+    per_token = per_sequence.repeat_interleave(
+        torch.tensor(packing.q_len, dtype=torch.long), dim=0, output_size=total
+    )
+    sequence, length, offset = per_token.unbind(1)
+    position = offset + torch.arange(total)
+    lo = torch.zeros_like(position) if rules.left is None else (position - rules.left).clamp(min=0)
+    hi = length if rules.right is None else torch.minimum(length, position + (rules.right + 1))
     hi = torch.maximum(hi, lo)  # a row that sees nothing: an empty range
     return torch.stack([sequence, torch.minimum(lo, length), hi, position], dim=1)
