@@ -106,8 +106,16 @@ inline Vec tanh_vec(const Vec& y) {
 // The running extreme of one row's scores: the largest (Up) or the smallest. NaN is skipped.
 template <bool Up>
 inline float row_extreme(const float* s, int64_t n) {
-  // e where x is NaN (the comparison fails) or not better
-  const auto step = [](const Vec& e, const Vec& x) { return Vec::blendv(e, x, Up ? x > e : x < e); };
+  // e where x is NaN or not better. x86's maxps / minps give their second operand where either is
+  // NaN (and of two zeros): max(x, e) in one instruction (clamp_min(e, x)); elsewhere a comparison
+  // and a blend (NEON's maximum passes NaN on).
+  const auto step = [](const Vec& e, const Vec& x) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+    return Up ? at::vec::clamp_min(e, x) : at::vec::clamp_max(e, x);
+#else
+    return Vec::blendv(e, x, Up ? x > e : x < e);
+#endif
+  };
   const float worst = Up ? kNegInf : -kNegInf;
   // Four running extremes, so that each comparison need not wait for the one before.
   Vec e0(worst), e1 = e0, e2 = e0, e3 = e0;
@@ -118,8 +126,9 @@ inline float row_extreme(const float* s, int64_t n) {
     e2 = step(e2, Vec::loadu(s + j + 2 * kLanes));
     e3 = step(e3, Vec::loadu(s + j + 3 * kLanes));
   }
-  for (; j < n; j += kLanes) {  // the last lanes: the rest of the vector is worst
-    const int64_t count = std::min(kLanes, n - j);
+  for (; j + kLanes <= n; j += kLanes) e0 = step(e0, Vec::loadu(s + j));
+  if (j < n) {  // the last lanes: the rest of the vector is worst
+    const int64_t count = n - j;
     e0 = step(e0, Vec::blendv(Vec(worst), Vec::loadu(s + j, count), first_lanes(count)));
   }
   const Vec e = step(step(e0, e1), step(e2, e3));
