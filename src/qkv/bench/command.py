@@ -238,8 +238,7 @@ def run(args: argparse.Namespace) -> int:
         for check in checks:
             print(memory.format_memory_check(check), flush=True)
     elif args.decode or args.decode_wall:
-        # at least 9 rounds: each case is set against the bandwidth read in its own rounds
-        record["decode_wall"] = wall_bench.wall_benchmark(max(args.repeats, 9))
+        record["decode_wall"] = wall_bench.wall_benchmark(max(args.repeats, wall_bench.ROUNDS))
         print(wall_bench.format_wall(record["decode_wall"]), flush=True)
         if args.decode:
             record["decode"] = decode.decode_benchmark(args.decode_tokens, repeats=args.repeats)
