@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -402,12 +403,16 @@ void decode_core(const L& lay, int64_t splits) {
   }
   const int64_t stride = R * (lay.Dv + 2);
   std::vector<float> parts(splits > 1 ? n * splits * stride : 0);
-  // Items go to other threads only in runs large enough to pay for waking them (kThreadBytes).
-  const int64_t grain =
-      std::max<int64_t>(1, kThreadBytes * n * splits / std::max<int64_t>(bytes, 1));
-  at::parallel_for(0, n * splits, grain, [&](int64_t begin, int64_t end) {
+  // Other threads are woken only where each gets at least kThreadBytes. Items are handed out
+  // one at a time (as the forward's blocks), so a thread that starts late (woken from sleep
+  // after the caller ran alone) or runs slower takes fewer; which thread runs an item does not
+  // change its sums.
+  const int64_t total = n * splits;
+  const int64_t threads = std::clamp<int64_t>(bytes / kThreadBytes, 1, at::get_num_threads());
+  std::atomic<int64_t> next_item{0};
+  at::parallel_for(0, std::min(threads, total), 1, [&](int64_t, int64_t) {
     Rows& w = thread_rows(R, lay.D, lay.Dv, scores);
-    for (int64_t z = begin; z < end; ++z) {
+    for (int64_t z; (z = next_item.fetch_add(1)) < total;) {
       const Item& item = groups[z / splits];
       run_item<T>(lay, split_item(item, z % splits, splits), w, stream);
       if (splits == 1) {
