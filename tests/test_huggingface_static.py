@@ -168,4 +168,6 @@ def test_the_generate_benchmark_runs_and_agrees() -> None:
     }
     assert all(ms > 0 for ms in result["ms_per_token"].values())
     assert all(ms > 0 for ms in result["attention_ms_per_token"].values())
+    # without its attention's time, qkv's step can only be shorter: the ceiling is above the ratio
+    assert all(result["ceiling"][c] > result["speedup"][c] for c in ("dynamic", "static"))
     assert "same tokens: yes" in generate.format_generate(result)
