@@ -180,7 +180,8 @@ def configure_newer_modes(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PROMPT",
         help="only: greedy generate after a PROMPT-token prompt (default 8192), ms per token, "
-        'attn_implementation="qkv" against "sdpa", with the dynamic and the static cache',
+        'attn_implementation="qkv" against "sdpa", with the dynamic and the static cache '
+        f"(at least {generate_bench.ROUNDS} rounds)",
     )
     add(
         "--varlen",
@@ -278,7 +279,9 @@ def newer_modes(args: argparse.Namespace, shape: cases.Shape, record: dict[str, 
         )
         print(continuous.format_continuous(record["continuous"]))
     elif args.generate is not None:
-        record["generate"] = generate_bench.generate_benchmark(args.generate, repeats=args.repeats)
+        record["generate"] = generate_bench.generate_benchmark(
+            args.generate, repeats=max(args.repeats, generate_bench.ROUNDS)
+        )
         record["generate"]["machine"] = record["machine"]
         print(generate_bench.format_generate(record["generate"]))
     elif args.varlen:

@@ -29,6 +29,9 @@ from qkv.integrations.huggingface import register, require_transformers
 
 IMPLEMENTATIONS = ("qkv", "sdpa")
 CACHES = ("dynamic", "static")
+# the fewest rounds a run takes: the step's time outside attention (the model, the cache's copies)
+# moves by ±15 % from round to round on a shared machine
+ROUNDS = 7
 MODEL = dict(
     vocab_size=1024,
     hidden_size=512,
@@ -125,7 +128,7 @@ def attention_per_step(
 
 
 def generate_benchmark(
-    prompt: int = 8192, new_tokens: int = 32, repeats: int = 3
+    prompt: int = 8192, new_tokens: int = 32, repeats: int = ROUNDS
 ) -> dict[str, Any]:
     """Median ms per generated token of qkv and sdpa with each cache (``repeats`` interleaved
     generations after one warm-up each), their ratios, whether the tokens are the same, and the
