@@ -38,12 +38,17 @@ def _close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> Non
 @pytest.mark.parametrize("heads", [(8, 2), (3, 3)])  # grouped (GQA) and one key head per query head
 @pytest.mark.parametrize("queries", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dv", [35, 131])  # odd; 131: value rows in several pieces on every build
 def test_attention_split_and_unsplit_match_the_oracle(
-    heads: tuple[int, int], queries: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    heads: tuple[int, int],
+    queries: int,
+    dtype: torch.dtype,
+    dv: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     hq, hkv = heads
     q = torch.randn(2, hq, queries, 67, dtype=dtype)  # odd D
-    k, v = torch.randn(2, hkv, 203, 67, dtype=dtype), torch.randn(2, hkv, 203, 35, dtype=dtype)
+    k, v = torch.randn(2, hkv, 203, 67, dtype=dtype), torch.randn(2, hkv, 203, dv, dtype=dtype)
     expected, _ = oracle(q, k, v, causal=True)
     outs = []
     for splits in SPLITS:

@@ -157,14 +157,15 @@ constexpr int kValueVecs = kLanes >= 16 ? 4 : 2;
 constexpr int kRowVecs = kLanes >= 16 ? 8 : static_cast<int>(64 / kLanes);
 
 // Whether Σ p v of `rows` query rows per key/value head should take a block's keys a few at a
-// time: where float32 value rows are summed in more than two pieces of four rows (Dv above 32 on
-// AVX2), each piece reads the block's value rows again, and a whole block of them, with the next
-// pass's rows coming in, no longer stays in the L1 cache (AVX2, grouped-query, in steps of 8
-// keys: D 128 28–33 % faster, D 64 8–13 %). bfloat16 rows are half the bytes, and their widening
-// makes the shorter steps' extra accumulator loads cost more than they save.
+// time: where float32 value rows are summed in more than one piece of four rows, each piece reads
+// the block's value rows again, and a block of them larger than 4 KiB (Dv above 32), with the
+// next pass's rows coming in, no longer stays in the L1 cache. In-process A/B, grouped-query,
+// steps of 8 keys: AVX2 D 128 28–33 % faster, D 64 8–13 %; AVX-512 D 128 (two pieces) 4–11 %;
+// AVX2 D 32 (two pieces, 4 KiB) 9–15 % slower. bfloat16 rows are half the bytes, and their
+// widening makes the shorter steps' extra accumulator loads cost more than they save.
 template <typename T>
 constexpr bool short_value_steps(int64_t Dv, int64_t rows) {
-  return std::is_same_v<T, float> && rows >= 4 && Dv > 2 * kValueVecs * kLanes;
+  return std::is_same_v<T, float> && rows >= 4 && Dv > kValueVecs * kLanes && Dv > 32;
 }
 
 // acc (rows × Dv) += p (rows × n, rows p_stride apart) · V, value row j at v[j] + offset: rows four
