@@ -171,3 +171,14 @@ def test_the_generate_benchmark_runs_and_agrees() -> None:
     # without its attention's time, qkv's step can only be shorter: the ceiling is above the ratio
     assert all(result["ceiling"][c] > result["speedup"][c] for c in ("dynamic", "static"))
     assert "same tokens: yes" in generate.format_generate(result)
+
+
+def test_the_generate_ceiling_is_sdpa_over_qkv_without_its_attention() -> None:
+    """The ceiling reads sdpa's step over qkv's step less its attention; where the attention's
+    own median is not below the step's there is no reading (None, printed as n/a)."""
+    from qkv.bench.generate import _ceiling, _times
+
+    ms = {"qkv dynamic": 10.0, "sdpa dynamic": 15.0}
+    assert _ceiling(ms, {"qkv dynamic": 4.0}, "dynamic") == pytest.approx(2.5)
+    assert _ceiling(ms, {"qkv dynamic": 10.0}, "dynamic") is None
+    assert (_times(2.5), _times(None)) == ("2.50x", "n/a")

@@ -164,16 +164,19 @@ def generate_benchmark(
         "ms_per_token": ms,
         "attention_ms_per_token": attention,
         "speedup": {cache: ms[f"sdpa {cache}"] / ms[f"qkv {cache}"] for cache in CACHES},
-        # the most any attention could give: sdpa's step over qkv's step without its attention
-        "ceiling": {
-            cache: ms[f"sdpa {cache}"] / max(ms[f"qkv {cache}"] - attention[f"qkv {cache}"], 1e-9)
-            for cache in CACHES
-        },
+        "ceiling": {cache: _ceiling(ms, attention, cache) for cache in CACHES},
         "same_tokens": same,
     }
     if not all(same.values()):
         raise RuntimeError(f"qkv and sdpa generated different tokens:\n{format_generate(result)}")
     return result
+
+
+def _ceiling(ms: dict[str, float], attention: dict[str, float], cache: str) -> float | None:
+    """The most any attention could give with ``cache``: sdpa's step over qkv's step without its
+    attention (None where the attention's own median is not below the step's: no reading)."""
+    rest = ms[f"qkv {cache}"] - attention[f"qkv {cache}"]
+    return ms[f"sdpa {cache}"] / rest if rest > 0 else None
 
 
 def format_generate(result: dict[str, Any]) -> str:
@@ -190,7 +193,11 @@ def format_generate(result: dict[str, Any]) -> str:
         lines.append(
             f"  {cache:<8} qkv {ms[qkv_]:.2f} ms ({attention[qkv_]:.2f}), sdpa {ms[sdpa]:.2f} ms "
             f"({attention[sdpa]:.2f}): {result['speedup'][cache]:.2f}x (an attention of 0 ms: "
-            f"{result['ceiling'][cache]:.2f}x); same tokens: "
+            f"{_times(result['ceiling'][cache])}); same tokens: "
             f"{'yes' if result['same_tokens'][cache] else 'NO'}"
         )
     return "\n".join(lines)
+
+
+def _times(ratio: float | None) -> str:
+    return "n/a" if ratio is None else f"{ratio:.2f}x"
