@@ -37,6 +37,7 @@ Legend: B batch, H heads (Hq query, Hkv key/value), L/Lq query length, S/Lk key 
 
 from __future__ import annotations
 
+import functools
 import importlib
 from types import ModuleType
 from typing import Any
@@ -290,9 +291,19 @@ def _weights_requested(kwargs: dict[str, Any]) -> bool:
     """
     if kwargs.get("output_attentions"):
         return True
+    collector = _output_collector()
+    if collector is None:
+        return False
+    collecting = collector.get()
+    return bool(collecting) and any("attentions" in key for key in collecting)
+
+
+@functools.cache
+def _output_collector() -> Any:
+    """transformers' context variable of the outputs a model call is collecting (None in a
+    version without one), looked up once: the attention function asks on every call."""
     try:
         from transformers.utils.output_capturing import _active_collector
     except ImportError:
-        return False
-    collecting = _active_collector.get()  # type: ignore[no-untyped-call]
-    return bool(collecting) and any("attentions" in key for key in collecting)
+        return None
+    return _active_collector

@@ -431,6 +431,12 @@ def backward_tensors(
     )
 
 
+# An absent rule's tensors (never written: the kernel reads them only where they are not empty),
+# made once rather than on every call.
+_NO_RANGES = torch.empty(0, dtype=torch.long)
+_NO_SLOPES = torch.empty(0)
+
+
 def _rule_arguments(
     causal_offset: int | None,
     window_offset: int | None,
@@ -440,7 +446,7 @@ def _rule_arguments(
 ) -> tuple[bool, int, bool, int, torch.Tensor, int, float, torch.Tensor]:
     """The rules as the compiled functions take them, an absent rule as False and 0 or an empty
     tensor: (causal, offset, windowed, window, key ranges, heads per range, soft-cap, slopes)."""
-    bounds, heads_per_range = (torch.empty(0, dtype=torch.long), 1) if ranges is None else ranges
+    bounds, heads_per_range = (_NO_RANGES, 1) if ranges is None else ranges
     return (
         causal_offset is not None,
         causal_offset or 0,
@@ -449,7 +455,7 @@ def _rule_arguments(
         bounds,
         heads_per_range,
         softcap or 0.0,
-        torch.empty(0) if slopes is None else slopes,
+        _NO_SLOPES if slopes is None else slopes,
     )
 
 

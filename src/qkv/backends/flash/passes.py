@@ -52,7 +52,7 @@ def forward(
     return out, lse
 
 
-_KernelRules = tuple[int | None, tuple[torch.Tensor, int], float | None, torch.Tensor | None]
+_KernelRules = tuple[int | None, tuple[torch.Tensor, int] | None, float | None, torch.Tensor | None]
 
 
 def _kernel_rules(
@@ -61,7 +61,10 @@ def _kernel_rules(
     """A call's score rules as the compiled kernel takes them, forward and backward: (the window
     offset, the key range of each query row's segment, the soft-cap, ALiBi's slopes flattened
     over (*B, Hq)); None where the kernel cannot take them (segment ids whose keys are not
-    contiguous runs)."""
+    contiguous runs). Without segments, key ranges or slopes there is no per-row table to build
+    (a decoding step comes here once per layer): the kernel's ranges are then None (none)."""
+    if rules.segments is None and rules.key_ranges is None and rules.alibi_slopes is None:
+        return rules.window_offset, None, rules.softcap, None
     batch = _checks.broadcast_shape(q.shape[:-3], k.shape[:-3], v.shape[:-3])
     assert batch is not None  # checked with the call
     hq = q.shape[-3]
