@@ -62,7 +62,7 @@ def _kernel_rules(
     offset, the key range of each query row's segment, the soft-cap, ALiBi's slopes flattened
     over (*B, Hq)); None where the kernel cannot take them (segment ids whose keys are not
     contiguous runs). Without segments, key ranges or slopes there is no per-row table to build
-    (a decoding step comes here once per layer): the kernel's ranges are then None (none)."""
+    (a decoding step comes here once per layer): the ranges are then None."""
     if rules.segments is None and rules.key_ranges is None and rules.alibi_slopes is None:
         return rules.window_offset, None, rules.softcap, None
     batch = _checks.broadcast_shape(q.shape[:-3], k.shape[:-3], v.shape[:-3])
