@@ -431,10 +431,11 @@ def backward_tensors(
     )
 
 
-# An absent rule's tensors (never written: the kernel reads them only where they are not empty),
-# made once rather than on every call.
-_NO_RANGES = torch.empty(0, dtype=torch.long)
-_NO_SLOPES = torch.empty(0)
+# An absent rule's tensors for the compiled functions (never written: the kernel reads them only
+# where they are not empty), made once rather than on every call: the entry points here and the
+# packed and paged decoding calls (varlen.py, paged.py) pass them.
+NO_RANGES = torch.empty(0, dtype=torch.long)
+NO_SLOPES = torch.empty(0)
 
 
 def _rule_arguments(
@@ -446,7 +447,7 @@ def _rule_arguments(
 ) -> tuple[bool, int, bool, int, torch.Tensor, int, float, torch.Tensor]:
     """The rules as the compiled functions take them, an absent rule as False and 0 or an empty
     tensor: (causal, offset, windowed, window, key ranges, heads per range, soft-cap, slopes)."""
-    bounds, heads_per_range = (_NO_RANGES, 1) if ranges is None else ranges
+    bounds, heads_per_range = (NO_RANGES, 1) if ranges is None else ranges
     return (
         causal_offset is not None,
         causal_offset or 0,
@@ -455,7 +456,7 @@ def _rule_arguments(
         bounds,
         heads_per_range,
         softcap or 0.0,
-        _NO_SLOPES if slopes is None else slopes,
+        NO_SLOPES if slopes is None else slopes,
     )
 
 

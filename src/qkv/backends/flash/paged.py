@@ -50,7 +50,7 @@ def attend(
         rows,
         rules.scale,
         rules.softcap or 0.0,
-        torch.empty(0) if slopes is None else slopes.detach().to(torch.float32).contiguous(),
+        kernel.NO_SLOPES if slopes is None else slopes.detach().to(torch.float32).contiguous(),
         kernel.DECODE_SPLITS,
     )
     return out, lse.transpose(0, 1)

@@ -120,7 +120,7 @@ def _decode(
         rows(packing, rules),
         rules.scale,
         rules.softcap or 0.0,
-        torch.empty(0) if slopes is None else slopes,
+        kernel.NO_SLOPES if slopes is None else slopes,
         kernel.DECODE_SPLITS,
     )
     lse = lse.transpose(0, 1)
