@@ -212,35 +212,62 @@ void add_values(float* acc, const float* p, int64_t p_stride, int64_t rows, cons
   }
 }
 
-// Pair sums of a and b side by side: deinterleaving the two vectors and adding the halves puts
-// a's sums of neighbouring lanes in the low half, b's in the high half.
+// Round `Round` of lane_sums: a and b side by side, their lanes summed in pairs, so that each
+// vector's runs of summed lanes are twice as long and its runs of lanes half as many. On x86 the
+// first two rounds stay within each 128-bit lane (unpacks: lanes 4i, 4i + 2 then 4i + 1, 4i + 3 of
+// a 128-bit lane; a shuffle there costs a cycle, one across lanes three to six), the rest pair
+// whole 128-bit lanes; elsewhere every round deinterleaves the two vectors and adds the halves.
+template <int Round>
 [[gnu::always_inline]] inline Vec pair_sums(const Vec& a, const Vec& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 x = a, y = b;
+  if constexpr (Round == 0) {
+    return Vec(_mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y)));
+  } else if constexpr (Round == 1) {
+    const __m512d xd = _mm512_castps_pd(x), yd = _mm512_castps_pd(y);
+    return Vec(_mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(xd, yd)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(xd, yd))));
+  } else {  // 128-bit lanes 0, 2 of x and of y against 1, 3
+    return Vec(_mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD)));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 x = a, y = b;
+  if constexpr (Round == 0) {
+    return Vec(_mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y)));
+  } else if constexpr (Round == 1) {
+    const __m256d xd = _mm256_castps_pd(x), yd = _mm256_castps_pd(y);
+    return Vec(_mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(xd, yd)),
+                             _mm256_castpd_ps(_mm256_unpackhi_pd(xd, yd))));
+  } else {  // the low 128-bit lanes of x and y against the high ones
+    return Vec(_mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31)));
+  }
+#else
   const auto [even, odd] = at::vec::deinterleave2(a, b);
   return even + odd;
+#endif
 }
 
 // One round of lane_sums over N vectors: x[2i] and x[2i + 1] paired, for i < N / 2.
-template <size_t N, size_t... I>
+template <int Round, size_t N, size_t... I>
 [[gnu::always_inline]] inline std::array<Vec, N / 2> pair_round(const std::array<Vec, N>& x,
                                                                  std::index_sequence<I...>) {
-  return {pair_sums(x[2 * I], x[2 * I + 1])...};
+  return {pair_sums<Round>(x[2 * I], x[2 * I + 1])...};
 }
 
 // The lane sums of N vectors x (N a power of two, at most kLanes): lane i of the result is Σ lanes
-// of x[i]. Each round pairs the vectors (pair_sums), halving their count and doubling the width of
-// each vector's run of lanes; once one is left it is paired with itself until the runs are single
-// lanes (log2(kLanes) rounds in all). Every sum is the same balanced tree of its own lanes,
-// whatever N and its place among them. The vectors are values indexed by constants (an array
-// indexed in a loop is kept in memory by the compiler, a store and a load per round).
-template <size_t N>
-[[gnu::always_inline]] inline Vec lane_sums(const std::array<Vec, N>& x, int width = 1) {
+// of x[i]. Each round pairs the vectors (pair_sums), halving their count; once one is left it is
+// paired with itself, for log2(kLanes) rounds in all. Every sum is the same balanced tree of its
+// own lanes, whatever N and its place among them. The vectors are values indexed by constants (an
+// array indexed in a loop is kept in memory by the compiler, a store and a load per round).
+template <size_t N, int Round = 0>
+[[gnu::always_inline]] inline Vec lane_sums(const std::array<Vec, N>& x) {
   static_assert(N >= 1 && (N & (N - 1)) == 0 && N <= kLanes);
-  if constexpr (N == 1) {
-    Vec y = x[0];
-    for (; width < kLanes; width *= 2) y = pair_sums(y, y);
-    return y;
+  if constexpr ((int64_t{1} << Round) == kLanes) {
+    return x[0];
+  } else if constexpr (N == 1) {
+    return lane_sums<1, Round + 1>({pair_sums<Round>(x[0], x[0])});
   } else {
-    return lane_sums<N / 2>(pair_round<N>(x, std::make_index_sequence<N / 2>{}), width * 2);
+    return lane_sums<N / 2, Round + 1>(pair_round<Round, N>(x, std::make_index_sequence<N / 2>{}));
   }
 }
 
