@@ -274,6 +274,23 @@ template <size_t N, int Round = 0>
   }
 }
 
+// x held in a vector register: the compiler may not fold its load into each instruction that
+// uses it, so a query vector is loaded once for the block's keys, not once per key (GCC folds it
+// into every multiply-add, and the loads, not the multiply-adds, then bound the block: in-process
+// A/B, 1 thread, grouped-query 8/2 and 32/8, 8,192 keys in the caches: float32 3–16 % faster on
+// AVX-512, float32 and bfloat16 5–14 % on AVX2; the same bits).
+[[gnu::always_inline]] inline void in_register(Vec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 r = x;
+  asm("" : "+v"(r));
+  x = Vec(r);
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256 r = x;
+  asm("" : "+x"(r));
+  x = Vec(r);
+#endif
+}
+
 // Keys per block of scores for RB query rows: RB × KB dot products fit one vector of lane sums,
 // and at most 4 keys, whose addresses the compiler keeps in general registers.
 template <int RB>
@@ -336,8 +353,8 @@ template <typename T, int RB, typename Q>
       for (int k = 0; k < KB; ++k)
         key[k] = count == kLanes ? load_float(keys[k] + d) : load_float(keys[k] + d, count);
       for (int r = 0; r < RB; ++r) {
-        const Vec x =
-            count == kLanes ? Vec::loadu(q + r * D + d) : Vec::loadu(q + r * D + d, count);
+        Vec x = count == kLanes ? Vec::loadu(q + r * D + d) : Vec::loadu(q + r * D + d, count);
+        in_register(x);
         for (int k = 0; k < KB; ++k) a[r * KB + k] = at::vec::fmadd(x, key[k], a[r * KB + k]);
       }
     };
