@@ -277,8 +277,8 @@ template <size_t N, int Round = 0>
 // x held in a vector register: the compiler may not fold its load into each instruction that
 // uses it, so a query vector is loaded once for the block's keys, not once per key (GCC folds it
 // into every multiply-add, and the loads, not the multiply-adds, then bound the block: in-process
-// A/B, 1 thread, grouped-query 8/2 and 32/8, 8,192 keys in the caches: float32 3–16 % faster on
-// AVX-512, float32 and bfloat16 5–14 % on AVX2; the same bits).
+// A/B, 1 thread, grouped-query 8/2 and 32/8, 8,192 keys: float32 3–16 % faster on AVX-512 (8/2,
+// whose 8–16 MB stay in L3: 12–16 %), float32 and bfloat16 1–14 % on AVX2; the same bits).
 [[gnu::always_inline]] inline void in_register(Vec& x) {
 #if defined(CPU_CAPABILITY_AVX512)
   __m512 r = x;

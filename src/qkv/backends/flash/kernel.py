@@ -438,6 +438,12 @@ NO_RANGES = torch.empty(0, dtype=torch.long)
 NO_SLOPES = torch.empty(0)
 
 
+def slopes_tensor(slopes: torch.Tensor | None) -> torch.Tensor:
+    """ALiBi's slopes (one per query head, or None) as the packed and paged decoding calls take
+    them: float32, contiguous, on the CPU; NO_SLOPES for none."""
+    return NO_SLOPES if slopes is None else slopes.detach().to(torch.float32).contiguous().cpu()
+
+
 def _rule_arguments(
     causal_offset: int | None,
     window_offset: int | None,

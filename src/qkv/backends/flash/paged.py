@@ -41,7 +41,6 @@ def attend(
         return _loop(query, pool_k, pool_v, table, rows, rules)
     module = kernel.load()
     assert module is not None  # built by takes
-    slopes = rules.alibi_slopes
     out, lse = module.paged_decode(
         query.contiguous(),
         pool_k.contiguous(),
@@ -50,7 +49,7 @@ def attend(
         rows,
         rules.scale,
         rules.softcap or 0.0,
-        kernel.NO_SLOPES if slopes is None else slopes.detach().to(torch.float32).contiguous(),
+        kernel.slopes_tensor(rules.alibi_slopes),
         kernel.DECODE_SPLITS,
     )
     return out, lse.transpose(0, 1)

@@ -111,7 +111,6 @@ def _decode(
     """``packed`` on the decoding core: out (T_q, H_q, Dv) in query's dtype, lse (H_q, T_q)."""
     module = kernel.load()
     assert module is not None  # built by takes
-    slopes = _slopes(rules.alibi_slopes)
     out, lse = module.packed_decode(
         query.contiguous(),
         key if key.stride(-1) == 1 else key.contiguous(),
@@ -120,7 +119,7 @@ def _decode(
         rows(packing, rules),
         rules.scale,
         rules.softcap or 0.0,
-        kernel.NO_SLOPES if slopes is None else slopes,
+        kernel.slopes_tensor(rules.alibi_slopes),
         kernel.DECODE_SPLITS,
     )
     lse = lse.transpose(0, 1)
@@ -130,7 +129,3 @@ def _decode(
         out4, lse4 = with_sinks(out.transpose(0, 1)[None], lse[None], rules.sinks)
         out, lse = out4[0].transpose(0, 1), lse4[0]
     return out.to(query.dtype), lse
-
-
-def _slopes(slopes: torch.Tensor | None) -> torch.Tensor | None:
-    return None if slopes is None else slopes.detach().to(torch.float32).contiguous().cpu()
