@@ -51,6 +51,7 @@ import torch
 from qkv._tracing import constant_result
 from qkv.backends.flash.build import compile_extension, extension_folder
 from qkv.backends.flash.loop import flat_heads
+from qkv.backends.flash.rules import NO_RANGES, NO_SLOPES
 
 # Run the calls the kernel supports on it (False: always the PyTorch loop).
 ENABLED = os.environ.get("QKV_FLASH_KERNEL", "1") != "0"
@@ -429,19 +430,6 @@ def backward_tensors(
         lse.to(f32).reshape(rows[:2]).contiguous(),
         no_lse if grad_lse is None else grad_lse.to(f32).reshape(rows[:2]).contiguous(),
     )
-
-
-# An absent rule's tensors for the compiled functions (never written: the kernel reads them only
-# where they are not empty), made once rather than on every call: the entry points here and the
-# packed and paged decoding calls (varlen.py, paged.py) pass them.
-NO_RANGES = torch.empty(0, dtype=torch.long)
-NO_SLOPES = torch.empty(0)
-
-
-def slopes_tensor(slopes: torch.Tensor | None) -> torch.Tensor:
-    """ALiBi's slopes (one per query head, or None) as the packed and paged decoding calls take
-    them: float32, contiguous, on the CPU; NO_SLOPES for none."""
-    return NO_SLOPES if slopes is None else slopes.detach().to(torch.float32).contiguous().cpu()
 
 
 def _rule_arguments(

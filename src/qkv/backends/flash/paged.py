@@ -19,6 +19,7 @@ import torch
 
 from qkv.backends.base import compute_dtype
 from qkv.backends.flash import kernel
+from qkv.backends.flash.rules import decoding_slopes
 
 if TYPE_CHECKING:
     from qkv.backends.flash.sequences import VarlenRules
@@ -49,7 +50,7 @@ def attend(
         rows,
         rules.scale,
         rules.softcap or 0.0,
-        kernel.slopes_tensor(rules.alibi_slopes),
+        decoding_slopes(rules.alibi_slopes),
         kernel.DECODE_SPLITS,
     )
     return out, lse.transpose(0, 1)

@@ -1,6 +1,7 @@
 """What a flash tile adds to ``q kᵀ · scale + mask``: soft-capping, ALiBi, a window's left edge
 and segments, each computed for one (queries q0:q1, keys k0:k1) tile and never for the whole
-(Lq, Lk) score matrix.
+(Lq, Lk) score matrix; and the forms the compiled kernel takes them in (``kernel_ranges``,
+``kernel_slopes``, ``decoding_slopes``, and the empty tensors of an absent rule).
 
 Scores in a tile are in base 2 (see ``loop.py``): every quantity added to them is multiplied by
 log2(e) first. Legend: N = B·Hkv key/value heads, g query heads per key/value head, R = g·(q1−q0)
@@ -130,3 +131,18 @@ def kernel_slopes(
         return None
     slopes = alibi_slopes.detach().to(torch.float32).expand(*batch, hq)
     return slopes.reshape(-1).contiguous().cpu()
+
+
+# An absent rule's tensors for the compiled functions (never written: the kernel reads them only
+# where they are not empty), made once rather than on every call: kernel.py's entry points and
+# the packed and paged decoding calls (varlen.py, paged.py) pass them.
+NO_RANGES = torch.empty(0, dtype=torch.long)
+NO_SLOPES = torch.empty(0)
+
+
+def decoding_slopes(alibi_slopes: torch.Tensor | None) -> torch.Tensor:
+    """ALiBi's slopes (one per query head, or None) as the packed and paged decoding calls take
+    them: float32, contiguous, on the CPU; NO_SLOPES for none."""
+    if alibi_slopes is None:
+        return NO_SLOPES
+    return alibi_slopes.detach().to(torch.float32).contiguous().cpu()

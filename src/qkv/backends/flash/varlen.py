@@ -23,6 +23,7 @@ import torch
 from qkv.backends.base import Rules
 from qkv.backends.flash import autograd, kernel
 from qkv.backends.flash import paged as paged_reading
+from qkv.backends.flash.rules import decoding_slopes
 from qkv.backends.flash.sequences import Packing, VarlenRules, rows
 
 
@@ -119,7 +120,7 @@ def _decode(
         rows(packing, rules),
         rules.scale,
         rules.softcap or 0.0,
-        kernel.slopes_tensor(rules.alibi_slopes),
+        decoding_slopes(rules.alibi_slopes),
         kernel.DECODE_SPLITS,
     )
     lse = lse.transpose(0, 1)
