@@ -73,6 +73,24 @@ def test_each_isa_builds_with_its_own_instructions_and_vector_width() -> None:
     assert "-march=native" in kernel.capability_flags("native")
 
 
+def test_only_zen_4_builds_read_the_cache_in_256_bit_halves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    avx512 = "fpu avx2 fma f16c avx512f avx512bw avx512vl avx512dq"
+    cpus = {
+        ("AuthenticAMD", "25"): True,  # Zen 4: 512-bit operations as two halves
+        ("AuthenticAMD", "26"): False,  # Zen 5
+        ("GenuineIntel", "6"): False,
+    }
+    for (vendor, family), halves in cpus.items():
+        info = {"vendor_id": vendor, "cpu family": family, "flags": avx512}
+        monkeypatch.setattr(kernel, "_cpu_info", lambda info=info: info)
+        assert kernel.cpu_flags() == set(avx512.split())
+        for isa in ("native", "avx512"):
+            assert ("-DQKV_LOAD_HALVES" in kernel.capability_flags(isa)) == halves, (vendor, isa)
+        assert "-DQKV_LOAD_HALVES" not in kernel.capability_flags("avx2")
+
+
 def test_an_unknown_isa_or_product_path_is_a_value_error_naming_the_variable(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -93,12 +93,12 @@ def capability_flags(isa: str) -> list[str]:
     if isa not in ISAS:
         raise ValueError(f"QKV_FLASH_ISA: expected one of {', '.join(ISAS)}, got {isa!r}")
     if isa == "avx512":
-        return [*_AVX512_FLAGS, *_capability("AVX512")]
+        return [*_AVX512_FLAGS, *_capability("AVX512"), *_load_halves()]
     if isa == "avx2":
         return [*_AVX2_FLAGS, *_capability("AVX2")]
     flags = cpu_flags()
     if flags.issuperset(_AVX512_CPU_FLAGS):
-        return ["-march=native", *_capability("AVX512")]
+        return ["-march=native", *_capability("AVX512"), *_load_halves()]
     if flags.issuperset({"avx2", "fma"}):
         return ["-march=native", *_capability("AVX2")]
     return ["-march=native", *_capability("DEFAULT")]  # aarch64 (NEON), or plain C++
@@ -124,16 +124,28 @@ def _check_cpu_runs(isa: str) -> None:
         raise ValueError(f"QKV_FLASH_ISA: this CPU cannot run {isa!r} (it lacks {missing})")
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's x86 feature flags from /proc/cpuinfo (empty elsewhere)."""
+def _cpu_info() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (none elsewhere)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+            lines = cpuinfo.read().split("\n\n", 1)[0].splitlines()
     except OSError:
-        pass
-    return set()
+        return {}
+    return {name.strip(): value.strip() for name, _, value in (x.partition(":") for x in lines)}
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's x86 feature flags from /proc/cpuinfo (empty elsewhere)."""
+    return set(_cpu_info().get("flags", "").split())
+
+
+def _load_halves() -> list[str]:
+    """QKV_LOAD_HALVES where the CPU carries out 512-bit operations as two 256-bit halves (AMD's
+    Zen 4, family 25, whose only cores with AVX-512 these are): decoding reads 512 bits of its
+    cache as two 256-bit loads there (decode_products.h)."""
+    info = _cpu_info()
+    zen4 = info.get("vendor_id") == "AuthenticAMD" and info.get("cpu family") == "25"
+    return ["-DQKV_LOAD_HALVES"] if zen4 else []
 
 
 def load() -> ModuleType | None:
@@ -288,15 +300,9 @@ def _source_id() -> str:
 
 def _cpu_id() -> str:
     """A short hash of this CPU's model and feature flags (what ``-march=native`` compiles for)."""
-    description = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            description += "".join(
-                line for line in cpuinfo if line.startswith(("flags", "model name"))
-            )
-    except OSError:  # not Linux: the platform's own description
-        description += platform.processor()
-    return hashlib.sha256(description.encode()).hexdigest()[:12]
+    info = _cpu_info()
+    model = info.get("model name", "") + info.get("flags", "") if info else platform.processor()
+    return hashlib.sha256((platform.machine() + model).encode()).hexdigest()[:12]
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
