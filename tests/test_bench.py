@@ -15,7 +15,7 @@ import torch
 
 from qkv import cli
 from qkv.backends.flash import kernel
-from qkv.bench import arguments, auto, cases, decode, isa, memory, runs, timing, wall
+from qkv.bench import arguments, auto, cases, decode, isa, memory, report, runs, timing, wall
 
 
 def test_a_small_run_writes_the_table_json_and_plot(
@@ -52,6 +52,27 @@ def test_a_small_run_writes_the_table_json_and_plot(
     assert len(progress) == count
     assert progress[0].startswith(f"[1/{count}] functional forward float32 full T=16: torch ")
     assert all("flash" in line and "x)" in line and "reference" in line for line in progress)
+
+
+def test_another_benchmarks_entry_names_its_own_machine_and_keeps_the_tables(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "bench.json"
+    table = {"machine": {"processor": "A"}, "shape": {"batch": 1}, "build": {"isa": "native"}}
+    path.write_text(json.dumps({**table, "results": [1], "auto": [2]}))
+    run = {"machine": {"processor": "B"}, "shape": {"batch": 2}, "build": {"isa": "avx2"}}
+    report.write_json(str(path), {**run, "paged": {"speedup": 1.5}, "arguments": [3]})
+    written = json.loads(path.read_text())
+    assert {name: written[name] for name in table} == table  # the main table's machine
+    assert written["results"] == [1] and written["auto"] == [2] and written["arguments"] == [3]
+    assert written["paged"] == {
+        "speedup": 1.5,
+        "machine": {"processor": "B"},
+        "build": {"isa": "avx2"},
+    }
+    fresh = tmp_path / "fresh.json"  # a new file: the run's machine is the file's
+    report.write_json(str(fresh), {**run, "paged": {"speedup": 1.5}})
+    assert json.loads(fresh.read_text())["machine"] == {"processor": "B"}
 
 
 @pytest.mark.parametrize(

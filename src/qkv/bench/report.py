@@ -99,8 +99,19 @@ def format_table(results: Sequence[Result], report: dict[str, Any]) -> str:
 
 def write_json(path: str, report: dict[str, Any]) -> None:
     """Write ``report`` into the JSON file at ``path``, keeping the other benchmarks' entries
-    (``decode``, ``auto``, ``memory_check``, ``arguments``) of a file already there."""
+    (``decode``, ``auto``, ``memory_check``, ``arguments``) of a file already there. The file's
+    ``machine``, ``shape`` and ``build`` describe its main table (``results``): a run of another
+    benchmark into a file that has them leaves them as they are and puts its own machine and build
+    into each of its entries instead (those that are tables of their own), so that an entry
+    recorded on another machine, or with another build, says which."""
     previous = json.loads(Path(path).read_text()) if os.path.exists(path) else {}
+    if "results" not in report and "machine" in previous:
+        mine = {"machine": report["machine"], "build": report["build"]}
+        report = {
+            name: {**entry, **mine} if isinstance(entry, dict) else entry
+            for name, entry in report.items()
+            if name not in ("machine", "shape", "build")
+        }
     with open(path, "w") as out:
         json.dump({**previous, **report}, out, indent=1)
         out.write("\n")
