@@ -40,6 +40,7 @@ thing more slowly, and ``"auto"`` picks torch's kernel instead. ``QKV_FLASH_KERN
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import platform
 import warnings
@@ -128,7 +129,7 @@ def _cpu_info() -> dict[str, str]:
     """The first processor's fields in /proc/cpuinfo (none elsewhere)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            lines = cpuinfo.read().split("\n\n", 1)[0].splitlines()
+            lines = list(itertools.takewhile(str.strip, cpuinfo))  # to the first blank line
     except OSError:
         return {}
     return {name.strip(): value.strip() for name, _, value in (x.partition(":") for x in lines)}
