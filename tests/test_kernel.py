@@ -84,7 +84,7 @@ def test_only_zen_4_builds_read_the_cache_in_256_bit_halves(
     }
     for (vendor, family), halves in cpus.items():
         info = {"vendor_id": vendor, "cpu family": family, "flags": avx512}
-        monkeypatch.setattr(kernel, "_cpu_info", lambda info=info: info)
+        monkeypatch.setattr(kernel, "cpu_info", lambda info=info: info)
         assert kernel.cpu_flags() == set(avx512.split())
         for isa in ("native", "avx512"):
             assert ("-DQKV_LOAD_HALVES" in kernel.capability_flags(isa)) == halves, (vendor, isa)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 import qkv
+from qkv.backends.flash import kernel
 from qkv.bench.cases import TORCH, Result
 
 # The CPU features that decide how fast attention's products can run.
@@ -29,7 +30,7 @@ def machine() -> dict[str, Any]:
     """The CPU (model name and its vector/matrix flags), threads and versions of a run."""
     return {
         "processor": cpu_name(),
-        "cpu_flags": [flag for flag in CPU_FLAGS if flag in cpu_flags()],
+        "cpu_flags": [flag for flag in CPU_FLAGS if flag in kernel.cpu_flags()],
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -40,24 +41,8 @@ def machine() -> dict[str, Any]:
     }
 
 
-def cpuinfo_field(name: str) -> str | None:
-    """The first ``name`` line of /proc/cpuinfo (Linux), or None."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.split(":", 1)[0].strip() == name:
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
 def cpu_name() -> str:
-    return cpuinfo_field("model name") or platform.processor() or platform.machine()
-
-
-def cpu_flags() -> set[str]:
-    return set((cpuinfo_field("flags") or "").split())
+    return kernel.cpu_info().get("model name") or platform.processor() or platform.machine()
 
 
 def heading(report: dict[str, Any]) -> str:

@@ -125,7 +125,7 @@ def _check_cpu_runs(isa: str) -> None:
         raise ValueError(f"QKV_FLASH_ISA: this CPU cannot run {isa!r} (it lacks {missing})")
 
 
-def _cpu_info() -> dict[str, str]:
+def cpu_info() -> dict[str, str]:
     """The first processor's fields in /proc/cpuinfo (none elsewhere)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
@@ -137,14 +137,14 @@ def _cpu_info() -> dict[str, str]:
 
 def cpu_flags() -> set[str]:
     """This CPU's x86 feature flags from /proc/cpuinfo (empty elsewhere)."""
-    return set(_cpu_info().get("flags", "").split())
+    return set(cpu_info().get("flags", "").split())
 
 
 def _load_halves() -> list[str]:
     """QKV_LOAD_HALVES where the CPU carries out 512-bit operations as two 256-bit halves (AMD's
     Zen 4, family 25, whose only cores with AVX-512 these are): decoding reads 512 bits of its
     cache as two 256-bit loads there (decode_products.h)."""
-    info = _cpu_info()
+    info = cpu_info()
     zen4 = info.get("vendor_id") == "AuthenticAMD" and info.get("cpu family") == "25"
     return ["-DQKV_LOAD_HALVES"] if zen4 else []
 
@@ -301,7 +301,7 @@ def _source_id() -> str:
 
 def _cpu_id() -> str:
     """A short hash of this CPU's model and feature flags (what ``-march=native`` compiles for)."""
-    info = _cpu_info()
+    info = cpu_info()
     model = info.get("model name", "") + info.get("flags", "") if info else platform.processor()
     return hashlib.sha256((platform.machine() + model).encode()).hexdigest()[:12]
 
