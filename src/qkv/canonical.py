@@ -165,11 +165,7 @@ def make_call(
         _checks.same_device(("q", "mask"), (q, mask))
         if mask.dim() < 2:  # backends slice the (Lq, Lk) dims: a 0-d or (Lk,) mask gets both
             mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
-    offset = masks.causal_offset(causal, lq, lk)
-    if offset is not None and offset >= lk - 1:
-        # Every query may attend every key (e.g. one new token against a KV cache): the rule
-        # blocks nothing, and backends run fastest without one.
-        offset = None
+    offset = masks.binding_offset(causal, lq, lk)
     return Call(q, k, v, mask, offset, scale, dropout_p, return_weights, NO_RULES)
 
 

@@ -37,6 +37,13 @@ def causal_offset(causal: Any, lq: int, lk: int) -> int | None:
     return 0 if causal == "top-left" else lk - lq
 
 
+def binding_offset(causal: Any, lq: int, lk: int) -> int | None:
+    """``causal_offset``, or None where the rule blocks no key (every query may attend every key,
+    e.g. one new token against a KV cache): backends run fastest without a rule."""
+    offset = causal_offset(causal, lq, lk)
+    return None if offset is not None and offset >= lk - 1 else offset
+
+
 def _lengths(lq: Any, lk: Any) -> tuple[int, int]:
     lq = _checks.non_negative_int("Lq", lq)
     lk = lq if lk is None else _checks.non_negative_int("Lk", lk)

@@ -11,12 +11,15 @@ output, docs/performance.md).
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
+from typing import Any
 
 import torch
 
+from qkv import masks
 from qkv.backends import flash, reference, sdpa
-from qkv.backends.base import CacheWrite, Call, Unsupported
+from qkv.backends.base import CacheWrite, Call, Unsupported, default_scale
 
 NAMES = ("auto", "reference", "flash", "sdpa")
 
@@ -143,3 +146,49 @@ def run(call: Call, name: str, write: CacheWrite | None = None) -> Result:
         write.apply()
     result: Result = backend(resolve(call, name)).attention(call)
     return result
+
+
+_LANE_DTYPES = (torch.float32, torch.bfloat16)
+_LANE_BACKENDS = ("auto", "flash")
+
+
+def plain_decoding(
+    q: Any, k: Any, v: Any, causal: Any, scale: Any, backend: Any
+) -> torch.Tensor | None:
+    """The output of a plain decoding call straight from flash's decoding kernel, or None where
+    the call is not one (then it takes the whole path: checks, a ``Call``, ``run``).
+
+    Plain decoding: ``attention(q, k, v, causal=, scale=, backend=)`` and nothing else given,
+    backend "auto" or "flash", eager CPU tensors (*B, Hq, Lq, Dk), (*B, Hkv, Lk, ·) of one batch
+    shape and one dtype, float32 or bfloat16, 1 <= Lq < 16, none empty, Hq a multiple of Hkv, no
+    gradient to record, the kernel built. ``choose`` gives such a call to flash (``preference``:
+    few queries, no mask), which runs it on this kernel function: the same bits, with less
+    Python on the way (a decoding step comes once per layer per token, with the caches cold
+    from the model's weights). The caller checks that no ``qkv.trace`` observes the call.
+    """
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        return None  # (subclasses and a tracer's tensors: the whole path)
+    if type(backend) is not str or backend not in _LANE_BACKENDS or torch.compiler.is_compiling():
+        return None
+    dtype = q.dtype
+    if dtype not in _LANE_DTYPES or k.dtype != dtype or v.dtype != dtype:
+        return None
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if not len(qs) == len(ks) == len(vs) >= 3 or ks[:-1] != vs[:-1] or ks[:-3] != qs[:-3]:
+        return None  # (k and v: one shape but for Dv; q: k's batch shape)
+    (hq, lq, d), (hkv, lk, dk) = qs[-3:], ks[-3:]
+    if not (lq < min(DECODING_QUERIES, flash.kernel.DECODE_QUERIES) and dk == d):
+        return None
+    if 0 in qs or 0 in vs or hq % hkv or not (q.is_cpu and k.is_cpu and v.is_cpu):
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None
+    if scale is None:
+        scale = default_scale(d)
+    elif type(scale) is not float or not math.isfinite(scale):
+        return None  # (the whole path checks it)
+    alignment = type(causal) is str and causal in masks.ALIGNMENTS
+    if not (type(causal) is bool or alignment) or not flash.kernel.available():
+        return None  # (available: what flash.kernel.takes asks beyond the above)
+    out = flash.kernel.decode(q, k, v, scale, masks.binding_offset(causal, lq, lk))
+    return out if dtype == torch.float32 else out.to(dtype)

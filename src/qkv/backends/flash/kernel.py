@@ -10,12 +10,12 @@ buffer is never copied, and a long cache's keys split across the threads. Its ba
 gradient), recomputes each tile's weights from the saved log-sum-exp and sums dQ, dK and dV
 per block, in a fixed order (the same bits on every run).
 
-The kernel is compiled the first time it is needed with torch's C++ extension tooling (a C++
-compiler and ninja), which prints one line to stderr and takes about a minute, and cached by
-torch under ``~/.cache/torch_extensions`` (``TORCH_EXTENSIONS_DIR`` moves it): later loads
-print nothing and take a fraction of a second. ``qkv build`` builds it ahead of time. ``build.py``
-holds the build lock: a build killed part-way is started over by the next one, and a process
-waits for another one's build for at most ``QKV_BUILD_TIMEOUT`` seconds (10 minutes).
+The kernel is compiled when first needed by torch's C++ extension tooling (a C++ compiler and
+ninja; one line on stderr, about a minute) and cached under ``~/.cache/torch_extensions``
+(``TORCH_EXTENSIONS_DIR`` moves it): later loads are silent and take a fraction of a second.
+``qkv build`` builds it ahead of time. ``build.py`` holds the build lock: a build killed part-way
+is started over by the next, and a process waits for another's build for at most
+``QKV_BUILD_TIMEOUT`` seconds (10 minutes).
 
 Its vector passes are written on ATen's portable vector type (``at::vec::Vectorized<float>``),
 so one source compiles to AVX-512, AVX2, NEON or plain C++; ``QKV_FLASH_ISA`` picks the
@@ -27,14 +27,13 @@ instruction set:
 - ``avx2``: AVX2, FMA and F16C, 256-bit vectors: what a CPU without AVX-512 runs, built and
   measured on one that has it.
 
-The kernel is one translation unit: ``flash_cpu.cpp`` includes the headers beside it, one job
-each (its opening comment lists them). The cached build is named after the ISA, the CPU's feature
-flags and the hash of the source (every C++ file and header), so a cache shared by different
-machines or different versions of qkv never hands one a build for another's instruction set or
-another's source. Where it cannot be built (or another process's build outlasts the wait), qkv
-warns once, naming the build folder; flash then runs its PyTorch loop, which computes the same
-thing more slowly, and ``"auto"`` picks torch's kernel instead. ``QKV_FLASH_KERNEL=0`` (or
-``ENABLED = False``) skips the kernel without trying. ``build_info()`` says what was built.
+One translation unit, ``flash_cpu.cpp``, includes the headers beside it (its opening comment
+lists them). A cached build is named after the ISA, the CPU's flags and the source's hash (every
+C++ file and header): no machine or version of qkv sharing a cache loads another's build. Where
+it cannot be built (or another process's build outlasts the wait), qkv warns once, naming the
+build folder; flash then runs its PyTorch loop (the same results, slower), and ``"auto"`` picks
+torch's kernel instead. ``QKV_FLASH_KERNEL=0`` (or ``ENABLED = False``) skips the kernel
+without trying. ``build_info()`` says what was built.
 """
 
 from __future__ import annotations
@@ -186,8 +185,7 @@ def build(isa: str) -> ModuleType:
 
 
 def build_folder(isa: str) -> Path:
-    """The folder the kernel for ``isa`` is built and cached in (under ``TORCH_EXTENSIONS_DIR``
-    where it is set)."""
+    """The folder the kernel for ``isa`` is built and cached in (``TORCH_EXTENSIONS_DIR``)."""
     return extension_folder(_extension_name(isa))
 
 
@@ -211,10 +209,9 @@ def build_info() -> dict[str, object]:
 
 @constant_result
 def bfloat16_products() -> bool:
-    """Whether bfloat16 inputs are multiplied in bfloat16 (with float32 sums, by oneDNN's
-    brgemm) rather than widened to float32: where the CPU has bfloat16 matrix units (AMX), or,
-    in a build for this CPU (``native``), AVX-512 bfloat16 dot products (twice float32's rate:
-    bfloat16 at T = 4096 ran in 55 % of the widened time), unless ``ONEDNN_MAX_CPU_ISA`` holds
+    """Whether bfloat16 inputs are multiplied in bfloat16 (float32 sums, oneDNN's brgemm), not
+    widened: on bfloat16 matrix units (AMX) or, ``native``, AVX-512 bfloat16 dot products (twice
+    float32's rate: T = 4096 in 55 % of the widened time), unless ``ONEDNN_MAX_CPU_ISA`` holds
     oneDNN below them. False where the kernel is not built."""
     if ISA not in _bfloat16:
         module = load()
@@ -227,8 +224,7 @@ def bfloat16_products() -> bool:
 
 @constant_result
 def matrix_units() -> bool:
-    """Whether oneDNN runs bfloat16 products on this CPU's matrix units (AMX). False where the
-    kernel is not built."""
+    """Whether oneDNN runs bfloat16 products on this CPU's matrix units (AMX); False unbuilt."""
     if ISA not in _units:
         module = load()
         _units[ISA] = module is not None and bool(module.bfloat16_matrix_units())
@@ -236,10 +232,9 @@ def matrix_units() -> bool:
 
 
 def products() -> str:
-    """Where the float32 products run in this build: ``GEMM``, or for "auto" oneDNN's brgemm in
-    a build with 512-bit vectors (its AVX-512 micro-kernels beat the kernel's own tiles there)
-    and the kernel's own register tiles in every other build (on AVX2, oneDNN's brgemm and
-    torch's BLAS both ran at about torch's own attention speed, the tiles at 1.1-1.6x of it)."""
+    """Where the float32 products run in this build: ``GEMM``, or for "auto" oneDNN's brgemm with
+    512-bit vectors (its AVX-512 micro-kernels beat the kernel's tiles), the kernel's own tiles
+    elsewhere (on AVX2 brgemm and torch's BLAS ran at torch's speed, the tiles 1.1-1.6x it)."""
     if GEMM == "auto":
         module = load()
         wide = module is not None and module.build_info()["vector_bits"] >= 512
@@ -368,6 +363,15 @@ def forward(
         )
     hq = q.shape[-3]
     return out.view(*batch, hq, *out.shape[1:]), lse.view(*batch, hq, lse.shape[-1])
+
+
+def decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None
+) -> torch.Tensor:
+    """``forward``'s out (float32) for float32 or bfloat16 q, k, v of one batch shape with Lq <
+    ``DECODE_QUERIES`` and at most a causal rule, where ``takes``: its decoding core, no more."""
+    rules = _rule_arguments(causal_offset, None, None, None, None)
+    return load().decode(q, k, v, scale, *rules, DECODE_SPLITS)[0]  # type: ignore[union-attr,no-any-return]
 
 
 def backward(
