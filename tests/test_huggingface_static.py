@@ -170,6 +170,11 @@ def test_the_generate_benchmark_runs_and_agrees() -> None:
     assert all(ms > 0 for ms in result["attention_ms_per_token"].values())
     # without its attention's time, qkv's step can only be shorter: the ceiling is above the ratio
     assert all(result["ceiling"][c] > result["speedup"][c] for c in ("dynamic", "static"))
+    # reading the cache takes time: the wall ceiling is below the ceiling of an attention of 0 ms
+    assert all(result["wall_ceiling"][c] < result["ceiling"][c] for c in ("dynamic", "static"))
+    layers, heads, dim = 4, 2, 64  # (generate.MODEL) every layer's K and V at 8 + 1.5 tokens
+    assert result["cache_mb_per_token"] == pytest.approx(layers * heads * 9.5 * 2 * dim * 4 / 1e6)
+    assert result["read_gb_per_s"] > 0
     assert "same tokens: yes" in generate.format_generate(result)
 
 
@@ -182,3 +187,15 @@ def test_the_generate_ceiling_is_sdpa_over_qkv_without_its_attention() -> None:
     assert _ceiling(ms, {"qkv dynamic": 4.0}, "dynamic") == pytest.approx(2.5)
     assert _ceiling(ms, {"qkv dynamic": 10.0}, "dynamic") is None
     assert (_times(2.5), _times(None)) == ("2.50x", "n/a")
+    # an attention that takes 1.5 ms (reading its cache at the read rate) in place of qkv's 4
+    assert _ceiling(ms, {"qkv dynamic": 4.0}, "dynamic", 1.5) == pytest.approx(2.0)
+
+
+def test_the_read_rate_is_bytes_over_the_median_time_of_a_sum(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from qkv.bench import generate
+
+    clock = iter(range(100))
+    monkeypatch.setattr(generate.time, "perf_counter", lambda: 0.5 * next(clock))
+    assert generate.read_rate(4000, repeats=3) == pytest.approx(4000 / 0.5)

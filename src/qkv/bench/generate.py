@@ -10,7 +10,11 @@ repetition after repetition; the median step time of each is compared, and the g
 must be the same on qkv and sdpa (else the benchmark fails). One extra run per implementation
 and cache times the calls of the attention function alone: the attention's share of a step,
 and so the ceiling: sdpa's step over qkv's step less its attention, what an attention of 0 ms
-would give (the model's other work and the cache's own copies bound every implementation).
+would give (the model's other work and the cache's own copies bound every implementation). An
+attention must still read the whole cache once per token: the wall ceiling puts in its place the
+cache's bytes (every layer's keys and values at the mean length of the steps) read at the rate
+``torch.sum`` reads a float32 tensor of that size, already read once (from where a cache that
+large stays between steps), measured in the same run with the same threads.
 """
 
 from __future__ import annotations
@@ -155,6 +159,8 @@ def generate_benchmark(
         for name, cache in runs
     }
     same = {cache: tokens[f"qkv {cache}"] == tokens[f"sdpa {cache}"] for cache in CACHES}
+    cache_bytes = _cache_bytes(prompt + new_tokens / 2)
+    rate = read_rate(int(cache_bytes))
     result: dict[str, Any] = {
         "model": {**MODEL, "dtype": "float32"},
         "prompt": prompt,
@@ -165,6 +171,11 @@ def generate_benchmark(
         "attention_ms_per_token": attention,
         "speedup": {cache: ms[f"sdpa {cache}"] / ms[f"qkv {cache}"] for cache in CACHES},
         "ceiling": {cache: _ceiling(ms, attention, cache) for cache in CACHES},
+        "cache_mb_per_token": cache_bytes / 1e6,
+        "read_gb_per_s": rate / 1e9,
+        "wall_ceiling": {
+            cache: _ceiling(ms, attention, cache, cache_bytes / rate * 1e3) for cache in CACHES
+        },
         "same_tokens": same,
     }
     if not all(same.values()):
@@ -172,11 +183,33 @@ def generate_benchmark(
     return result
 
 
-def _ceiling(ms: dict[str, float], attention: dict[str, float], cache: str) -> float | None:
-    """The most any attention could give with ``cache``: sdpa's step over qkv's step without its
-    attention (None where the attention's own median is not below the step's: no reading)."""
+def _ceiling(
+    ms: dict[str, float], attention: dict[str, float], cache: str, least: float = 0.0
+) -> float | None:
+    """The most an attention taking ``least`` ms per token could give with ``cache``: sdpa's
+    step over qkv's step with that in place of its attention (None where the attention's own
+    median is not below the step's: no reading)."""
     rest = ms[f"qkv {cache}"] - attention[f"qkv {cache}"]
-    return ms[f"sdpa {cache}"] / rest if rest > 0 else None
+    return ms[f"sdpa {cache}"] / (rest + least) if rest > 0 else None
+
+
+def _cache_bytes(length: float) -> float:
+    """The bytes of keys and values of every layer of the model at ``length`` tokens (float32)."""
+    heads, dim = int(MODEL["num_key_value_heads"]), int(MODEL["head_dim"])
+    return int(MODEL["num_hidden_layers"]) * heads * length * 2 * dim * 4
+
+
+def read_rate(nbytes: int, repeats: int = 2 * ROUNDS) -> float:
+    """Bytes per second ``torch.sum`` reads from a float32 tensor of ``nbytes``, read once before
+    (the median of ``repeats``)."""
+    x = torch.ones(max(1, nbytes // 4))
+    x.sum()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        seconds.append(time.perf_counter() - start)
+    return x.numel() * 4 / statistics.median(seconds)
 
 
 def format_generate(result: dict[str, Any]) -> str:
@@ -186,14 +219,17 @@ def format_generate(result: dict[str, Any]) -> str:
         f"d_model {model['hidden_size']}, {model['num_attention_heads']}/"
         f"{model['num_key_value_heads']} heads, float32, prompt {result['prompt']} tokens, "
         f"{result['new_tokens']} new, {result['threads']} threads, median ms per token of "
-        f"{result['repeats']} runs (attention's share of it):"
+        f"{result['repeats']} runs (attention's share of it); the cache "
+        f"{result['cache_mb_per_token']:.1f} MB per token, read at {result['read_gb_per_s']:.1f} "
+        "GB/s by torch.sum:"
     ]
     for cache in CACHES:
         qkv_, sdpa = f"qkv {cache}", f"sdpa {cache}"
         lines.append(
             f"  {cache:<8} qkv {ms[qkv_]:.2f} ms ({attention[qkv_]:.2f}), sdpa {ms[sdpa]:.2f} ms "
             f"({attention[sdpa]:.2f}): {result['speedup'][cache]:.2f}x (an attention of 0 ms: "
-            f"{_times(result['ceiling'][cache])}); same tokens: "
+            f"{_times(result['ceiling'][cache])}; reading the cache at the read rate: "
+            f"{_times(result['wall_ceiling'][cache])}); same tokens: "
             f"{'yes' if result['same_tokens'][cache] else 'NO'}"
         )
     return "\n".join(lines)
