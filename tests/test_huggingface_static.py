@@ -172,9 +172,7 @@ def test_the_generate_benchmark_runs_and_agrees() -> None:
     assert all(result["ceiling"][c] > result["speedup"][c] for c in ("dynamic", "static"))
     # reading the cache takes time: the wall ceiling is below the ceiling of an attention of 0 ms
     assert all(result["wall_ceiling"][c] < result["ceiling"][c] for c in ("dynamic", "static"))
-    layers, heads, dim = 4, 2, 64  # (generate.MODEL) every layer's K and V at 8 + 1.5 tokens
-    assert result["cache_mb_per_token"] == pytest.approx(layers * heads * 9.5 * 2 * dim * 4 / 1e6)
-    assert result["read_gb_per_s"] > 0
+    assert all(ms > 0 for ms in result["reading_attention_ms_per_token"].values())
     assert "same tokens: yes" in generate.format_generate(result)
 
 
@@ -191,11 +189,30 @@ def test_the_generate_ceiling_is_sdpa_over_qkv_without_its_attention() -> None:
     assert _ceiling(ms, {"qkv dynamic": 4.0}, "dynamic", 1.5) == pytest.approx(2.0)
 
 
-def test_the_read_rate_is_bytes_over_the_median_time_of_a_sum(
+def test_a_reading_kernel_reads_what_the_kernel_is_handed_and_gives_zeros(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from qkv.bench import generate
+    """The wall ceiling's kernel: qkv's decoding step with flash's decoding kernel replaced by
+    sums over its keys and values; the kernel is back afterwards."""
+    from qkv.backends import dispatch
+    from qkv.backends.flash import kernel
+    from qkv.bench.generate import reading_kernel
 
-    clock = iter(range(100))
-    monkeypatch.setattr(generate.time, "perf_counter", lambda: 0.5 * next(clock))
-    assert generate.read_rate(4000, repeats=3) == pytest.approx(4000 / 0.5)
+    if kernel.load() is None:
+        pytest.skip("flash's compiled kernel is not available")
+    q, k, v = torch.randn(1, 8, 1, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 12)
+    read: list[int] = []
+    summed = torch.Tensor.sum
+
+    def spy(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        read.append(x.data_ptr())
+        return summed(x, *args, **kwargs)
+
+    with reading_kernel():
+        monkeypatch.setattr(torch.Tensor, "sum", spy)
+        out = dispatch.plain_decoding(q, k, v, True, None, "auto")
+        monkeypatch.undo()
+    assert out is not None and out.shape == (1, 8, 1, 12) and not out.any()
+    assert read == [k.data_ptr(), v.data_ptr()]
+    after = dispatch.plain_decoding(q, k, v, True, None, "auto")
+    assert after is not None and after.abs().sum() > 0  # (the kernel again)
