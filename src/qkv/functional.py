@@ -1,7 +1,8 @@
 """``qkv.attention`` and ``qkv.attention_with_cache``: the functional entry points.
 
 Data flows one way: inputs -> checks and canonicalisation (``canonical``, once) -> a ``Call`` ->
-one backend (``backends.dispatch``) -> output, which an active ``qkv.trace`` observes.
+one backend (``backends.dispatch``) -> output, which an active ``qkv.trace`` observes. A plain
+decoding call, unobserved, takes a short way to the same kernel call (``dispatch.plain_decoding``).
 
 Legend: B batch, H heads (Hq query heads, Hkv key/value heads), L/Lq query length,
 S/Lk key length, D features (Dk query/key, Dv value).
