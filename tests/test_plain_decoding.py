@@ -1,7 +1,8 @@
-"""The plain decoding lane (``dispatch.plain_decoding``): ``qkv.attention`` sends a decoding call
-with nothing but causal and scale straight to flash's decoding kernel. It must be the call the
-whole path (checks, a ``Call``, ``choose``, flash) would make: the same backend, the same bits;
-and every call it is not sure of must take the whole path.
+"""The plain decoding lane (``dispatch.plain_decoding``, ``plain_decoding_step``): ``qkv.attention``
+and ``qkv.attention_with_cache`` (a ``KVCache``) send a decoding call with nothing but causal and
+scale straight to flash's decoding kernel. It must be the call the whole path (checks, a
+``Call``, ``choose``, flash) would make: the same backend, the same bits, the same cache; and
+every call it is not sure of must take the whole path.
 Legend: B batch, Hq/Hkv heads, Lq/Lk lengths, D features.
 """
 
@@ -180,3 +181,82 @@ def test_a_traced_decoding_call_is_recorded() -> None:
         out = qkv.attention(**call)
     assert len(recorded.records) == 1
     assert torch.equal(recorded.records[0].out, out)
+
+
+def _cache(prefix: tuple[torch.Tensor, torch.Tensor]) -> qkv.KVCache:
+    cache = qkv.KVCache()
+    cache.append(*prefix)
+    return cache
+
+
+@given(
+    heads=st.sampled_from([(4, 4), (8, 2), (3, 1)]),
+    cached=st.integers(1, 70),
+    lq=st.integers(1, 15),
+    dims=st.sampled_from([(16, 16), (33, 20)]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    causal=st.sampled_from(CAUSAL_VALUES),
+    seed=st.integers(0, 2**16),
+)
+def test_a_kv_cache_step_in_the_lane_writes_and_attends_as_the_whole_path(
+    heads: tuple[int, int],
+    cached: int,
+    lq: int,
+    dims: tuple[int, int],
+    dtype: torch.dtype,
+    causal: Any,
+    seed: int,
+) -> None:
+    (hq, hkv), (d, dv) = heads, dims
+    generator = torch.Generator().manual_seed(seed)
+
+    def tensor(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    prefix = (tensor(2, hkv, cached, d), tensor(2, hkv, cached, dv))
+    q, k_new, v_new = tensor(2, hq, lq, d), tensor(2, hkv, lq, d), tensor(2, hkv, lq, dv)
+    lane_cache, whole_cache = _cache(prefix), _cache(prefix)
+    step = lane_cache.prepare(k_new, v_new)
+    lane = dispatch.plain_decoding_step(q, step.write, causal, None, "auto")
+    assert lane is not None
+    lane_cache.commit(step)
+    step = whole_cache.prepare(k_new, v_new)
+    call, _ = canonical_call(
+        q, step.keys, step.values, mask=None, causal=causal, scale=None, dropout_p=0.0,
+        return_weights=False, backend="auto",
+    )  # fmt: skip
+    assert dispatch.preference(call)[0] == "flash" and flash.why_not(call) is None
+    assert kernel.decode_step_takes(q, k_new, v_new)  # (flash fuses the write: the lane's call)
+    whole, _, _ = dispatch.run(call, "auto", step.write)
+    whole_cache.commit(step)
+    assert lane.dtype == dtype and torch.equal(lane, whole)
+    assert len(lane_cache) == len(whole_cache) == cached + lq
+    assert torch.equal(lane_cache.keys, whole_cache.keys)
+    assert torch.equal(lane_cache.values, whole_cache.values)
+    keys, values = (torch.cat([prefix[0], k_new], -2), torch.cat([prefix[1], v_new], -2))
+    expected, _ = oracle(q, keys, values, causal=causal)
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(lane.double(), expected, atol=atol, rtol=rtol)
+
+
+def test_a_kv_cache_step_the_lane_is_not_sure_of_takes_the_whole_path() -> None:
+    prefix = (torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16))
+    q, k_new, v_new = torch.randn(1, 8, 1, 16), torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
+    step = _cache(prefix).prepare(k_new, v_new)
+    assert dispatch.plain_decoding_step(q[0], step.write, True, None, "auto") is None  # 3 dims
+    assert dispatch.plain_decoding_step(q, None, True, None, "auto") is None  # concatenated
+    assert dispatch.plain_decoding_step(q.half(), step.write, True, None, "auto") is None
+    assert dispatch.plain_decoding_step(q, step.write, True, None, "sdpa") is None
+    with torch.enable_grad():  # a step that records gradients concatenates: no write
+        grad_step = _cache(prefix).prepare(k_new.requires_grad_(), v_new)
+    assert grad_step.write is None
+
+
+def test_a_rejected_kv_cache_step_leaves_the_cache_as_it_was() -> None:
+    cache = _cache((torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)))
+    q, k_new, v_new = torch.randn(1, 8, 1, 16), torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
+    with pytest.raises(ValueError, match="causal"):
+        qkv.attention_with_cache(q, k_new, v_new, cache, causal="diagonal")
+    assert len(cache) == 10
+    out = qkv.attention_with_cache(q, k_new, v_new, cache, causal=True)
+    assert len(cache) == 11 and out.shape == (1, 8, 1, 16)

@@ -2,7 +2,8 @@
 
 Data flows one way: inputs -> checks and canonicalisation (``canonical``, once) -> a ``Call`` ->
 one backend (``backends.dispatch``) -> output, which an active ``qkv.trace`` observes. A plain
-decoding call, unobserved, takes a short way to the same kernel call (``dispatch.plain_decoding``).
+decoding call, unobserved, takes a short way to the same kernel call (``dispatch.plain_decoding``,
+``plain_decoding_step``).
 
 Legend: B batch, H heads (Hq query heads, Hkv key/value heads), L/Lq query length,
 S/Lk key length, D features (Dk query/key, Dv value).
@@ -11,7 +12,7 @@ S/Lk key length, D features (Dk query/key, Dv value).
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 import torch
 
@@ -204,10 +205,8 @@ def attention(
     A query with no key it may attend gives 0 output, 0 weights and 0 gradient (never NaN).
     float16/bfloat16 inputs are computed with float32 scores, softmax and sums.
     """
-    nothing_more = mask is None and softcap is None and sinks is None and alibi_slopes is None
-    nothing_more = nothing_more and window is None and segments is None and score_mod is None
-    plain = nothing_more and mask_mod is None and return_weights is False and return_lse is False
-    if plain and type(dropout_p) is float and dropout_p == 0.0 and observers.current() is None:
+    given = (mask, softcap, sinks, alibi_slopes, window, segments, score_mod, mask_mod)
+    if _plain(given, dropout_p, return_weights, return_lse):
         out = dispatch.plain_decoding(q, k, v, causal, scale, backend)  # (None: not decoding)
         if out is not None:
             return out
@@ -294,6 +293,12 @@ def attention_with_cache(
     if sequences is not None:
         raise ValueError("sequences= names the batch entries of a PagedKVCache; a KVCache has none")
     step = cache.prepare(k_new, v_new)
+    given = (mask, softcap, sinks, alibi_slopes, window, segments)
+    if _plain(given, dropout_p, return_weights, return_lse):
+        out = dispatch.plain_decoding_step(q, step.write, causal, scale, backend)
+        if out is not None:
+            cache.commit(step)
+            return out
     call, squeeze_head = canonical_call(
         q,
         step.keys,
@@ -314,6 +319,15 @@ def attention_with_cache(
     result = _run(call, backend, squeeze_head, step.write)
     cache.commit(step)
     return result
+
+
+def _plain(given: tuple[Any, ...], dropout_p: Any, return_weights: Any, return_lse: Any) -> bool:
+    """Whether a call gives nothing but q, k, v, causal, scale and backend (``given``: its other
+    optional arguments, all None), and no ``qkv.trace`` observes it: then a decoding call may take
+    the short way to flash's kernel (``dispatch.plain_decoding``)."""
+    nothing = all(x is None for x in given) and return_weights is False and return_lse is False
+    no_dropout = type(dropout_p) is float and dropout_p == 0.0
+    return nothing and no_dropout and observers.current() is None
 
 
 def _run(call: Call, backend: str, squeeze_head: bool, write: CacheWrite | None = None) -> Returned:

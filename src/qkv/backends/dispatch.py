@@ -166,6 +166,37 @@ def plain_decoding(
     Python on the way (a decoding step comes once per layer per token, with the caches cold
     from the model's weights). The caller checks that no ``qkv.trace`` observes the call.
     """
+    scale = _plain_scale(q, k, v, causal, scale, backend)
+    if scale is None:
+        return None
+    out = flash.kernel.decode(
+        q, k, v, scale, masks.binding_offset(causal, q.shape[-2], k.shape[-2])
+    )
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def plain_decoding_step(
+    q: Any, write: CacheWrite | None, causal: Any, scale: Any, backend: Any
+) -> torch.Tensor | None:
+    """``plain_decoding`` for a ``KVCache`` step (``attention_with_cache``): q (B, Hq, Lq, Dk)
+    against the cached keys and the step's ``write``, whose new keys and values are written and
+    attended in one kernel call (``kernel.decode_step``), as ``flash.attention_with_cache`` does
+    with the call ``choose`` gives it; None where the step is not plain decoding (or its keys
+    are concatenated, not written: ``write`` None)."""
+    if write is None or type(q) is not torch.Tensor or q.dim() != 4:
+        return None
+    scale = _plain_scale(q, write.k_new, write.v_new, causal, scale, backend)
+    if scale is None or not flash.kernel.decode_step_takes(q, write.k_new, write.v_new):
+        return None
+    offset = masks.binding_offset(causal, q.shape[-2], write.start + write.k_new.shape[-2])
+    return flash.kernel.decode_step(
+        q, write.k_new, write.v_new, write.keys, write.values, write.start, scale, offset
+    )
+
+
+def _plain_scale(q: Any, k: Any, v: Any, causal: Any, scale: Any, backend: Any) -> float | None:
+    """The scale of a plain decoding call of q against k and v (``plain_decoding`` says which),
+    or None where the call is not one."""
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
         return None  # (subclasses and a tracer's tensors: the whole path)
     if type(backend) is not str or backend not in _LANE_BACKENDS or torch.compiler.is_compiling():
@@ -176,7 +207,7 @@ def plain_decoding(
     qs, ks, vs = q.shape, k.shape, v.shape
     if not len(qs) == len(ks) == len(vs) >= 3 or ks[:-1] != vs[:-1] or ks[:-3] != qs[:-3]:
         return None  # (k and v: one shape but for Dv; q: k's batch shape)
-    (hq, lq, d), (hkv, lk, dk) = qs[-3:], ks[-3:]
+    (hq, lq, d), (hkv, _, dk) = qs[-3:], ks[-3:]
     if not (lq < min(DECODING_QUERIES, flash.kernel.DECODE_QUERIES) and dk == d):
         return None
     if 0 in qs or 0 in vs or hq % hkv or not (q.is_cpu and k.is_cpu and v.is_cpu):
@@ -190,5 +221,4 @@ def plain_decoding(
     alignment = type(causal) is str and causal in masks.ALIGNMENTS
     if not (type(causal) is bool or alignment) or not flash.kernel.available():
         return None  # (available: what flash.kernel.takes asks beyond the above)
-    out = flash.kernel.decode(q, k, v, scale, masks.binding_offset(causal, lq, lk))
-    return out if dtype == torch.float32 else out.to(dtype)
+    return float(scale)
