@@ -161,18 +161,24 @@ def test_bad_decoding_arguments_still_get_the_whole_paths_errors() -> None:
 
 @pytest.mark.parametrize(
     "given",
-    [{"mask": torch.ones(40, dtype=torch.bool)}, {"dropout_p": 0.5}, {"return_weights": True},
+    [{}, {"scale": 0.5, "causal": "top-left", "backend": "flash"},  # (the lane is asked)
+     {"mask": torch.ones(40, dtype=torch.bool)}, {"dropout_p": 0.5}, {"return_weights": True},
      {"return_lse": True}, {"softcap": 5.0}, {"window": 8}, {"sinks": torch.zeros(8)}],
 )  # fmt: skip
 def test_a_call_with_more_than_causal_and_scale_never_reaches_the_lane(
     given: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    asked: list[tuple[Any, ...]] = []
+
     def lane(*args: Any) -> None:
-        raise AssertionError("the lane was asked")
+        asked.append(args)  # (None: the whole path runs the call)
 
     monkeypatch.setattr(dispatch, "plain_decoding", lane)
     torch.manual_seed(0)
-    qkv.attention(**_decoding(), **given)  # (dropout: sdpa or the reference)
+    result = qkv.attention(**{**_decoding(), **given})  # (dropout: sdpa or the reference)
+    out = result[0] if isinstance(result, tuple) else result  # (weights or lse asked for)
+    plain = set(given) <= {"scale", "causal", "backend"}
+    assert len(asked) == plain and out.shape == (1, 8, 1, 16)
 
 
 def test_a_traced_decoding_call_is_recorded() -> None:
@@ -260,3 +266,28 @@ def test_a_rejected_kv_cache_step_leaves_the_cache_as_it_was() -> None:
     assert len(cache) == 10
     out = qkv.attention_with_cache(q, k_new, v_new, cache, causal=True)
     assert len(cache) == 11 and out.shape == (1, 8, 1, 16)
+
+
+def test_attention_with_cache_takes_the_lane_for_a_plain_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prefix = (torch.randn(2, 2, 37, 16), torch.randn(2, 2, 37, 24))
+    q, k_new, v_new = torch.randn(2, 8, 3, 16), torch.randn(2, 2, 3, 16), torch.randn(2, 2, 3, 24)
+    lane_step, taken = dispatch.plain_decoding_step, []
+
+    def spy(*args: Any) -> torch.Tensor | None:
+        out = lane_step(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(dispatch, "plain_decoding_step", spy)
+    lane_cache = _cache(prefix)
+    lane = qkv.attention_with_cache(q, k_new, v_new, lane_cache, causal=True)
+    monkeypatch.setattr(dispatch, "plain_decoding_step", lambda *args: None)
+    whole_cache = _cache(prefix)
+    whole = qkv.attention_with_cache(q, k_new, v_new, whole_cache, causal=True)
+    assert taken == [True]
+    assert isinstance(lane, torch.Tensor) and isinstance(whole, torch.Tensor)
+    assert torch.equal(lane, whole) and len(lane_cache) == len(whole_cache) == 40
+    assert torch.equal(lane_cache.keys, whole_cache.keys)
+    assert torch.equal(lane_cache.values, whole_cache.values)
