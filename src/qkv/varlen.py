@@ -86,6 +86,15 @@ def varlen_attn(
     A row with no key gives 0. Differentiable for contiguous keys; a paged call is inference
     only (an error says so if gradients are asked for).
     """
+    if block_table is not None and _plain(
+        cu_seq_k, return_aux, window_size, softcap, alibi_slopes, sinks
+    ):
+        out = flash_varlen.plain_paged(
+            query, key, value, cu_seq_q, seqused_k, block_table, max_q, max_k, scale, causal,
+            enable_gqa,
+        )  # fmt: skip
+        if out is not None:
+            return out
     _check_tensors(query, key, value, block_table is not None)
     paged = block_table is not None
     hq, hkv = query.shape[1], key.shape[2 if paged else 1]
@@ -145,6 +154,20 @@ def one_by_one(
         empty = query.new_zeros(0, hq, dv)
         return empty, torch.zeros(hq, 0, dtype=lse_dtype, device=query.device)
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+
+
+def _plain(cu_seq_k: Any, return_aux: Any, window_size: Any, *rules: Any) -> bool:
+    """Whether a paged call asks nothing but its lengths, causal and scale: no cu_seq_k (only
+    checked there), no aux output, window (-1, -1) as ints, no softcap, ALiBi or sinks
+    (``flash.varlen.plain_paged`` then may run it)."""
+    return (
+        cu_seq_k is None
+        and return_aux is None
+        and type(window_size) is tuple
+        and len(window_size) == 2
+        and all(type(side) is int and side == -1 for side in window_size)
+        and all(rule is None for rule in rules)
+    )
 
 
 def _aux_lse(return_aux: Any) -> Any:

@@ -149,6 +149,60 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_po
   return tokens_call(q, tokens(k_pool), tokens(v_pool), pages, rows, scale, softcap, slopes, splits);
 }
 
+// A 1-D or 2-D int32/int64 tensor's values, or nothing where it is not one (or not contiguous).
+inline bool int_values(const at::Tensor& x, int64_t dims, std::vector<int64_t>& out) {
+  if (x.dim() != dims || !x.is_contiguous() || x.device().type() != at::kCPU) return false;
+  out.resize(x.numel());
+  if (x.scalar_type() == at::kLong) {
+    std::copy_n(x.const_data_ptr<int64_t>(), x.numel(), out.begin());
+  } else if (x.scalar_type() == at::kInt) {
+    std::copy_n(x.const_data_ptr<int32_t>(), x.numel(), out.begin());
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// A plain paged decoding call (qkv.varlen_attn with block_table, seqused_k, max_q, max_k,
+// causal, scale and nothing more; backends/flash/varlen.py's plain_paged has checked the
+// tensors' kinds and shapes): every check the whole path makes of cu_seq_q (N + 1,), seqused_k
+// (N,) and the table (N, M), made here as a test, and each query token's row (sequence, lo, hi,
+// position) as sequences.py's rows gives it, causal bottom-right or no rule. Returns paged_decode's
+// (out, lse), or nothing where a check fails: the caller then takes the whole path, which names the
+// error. (A decoding step comes once per layer per token; here its checks cost no tensor
+// operations.)
+std::vector<at::Tensor> plain_paged_decode(const at::Tensor& q, const at::Tensor& k_pool,
+                                           const at::Tensor& v_pool, const at::Tensor& cu_seq_q,
+                                           const at::Tensor& seqused_k, const at::Tensor& table,
+                                           int64_t max_q, int64_t max_k, bool causal,
+                                           double scale, int64_t splits) {
+  std::vector<int64_t> cu, used, pages;
+  const int64_t T = q.size(0), N = table.size(0), M = table.size(1);
+  const int64_t P = k_pool.size(0), page_size = k_pool.size(1);
+  if (!int_values(cu_seq_q, 1, cu) || !int_values(seqused_k, 1, used) ||
+      !int_values(table, 2, pages) || static_cast<int64_t>(cu.size()) != N + 1 ||
+      static_cast<int64_t>(used.size()) != N || N == 0 || T == 0 || page_size == 0 ||
+      cu[0] != 0 || cu[N] != T)
+    return {};
+  at::Tensor rows = at::empty({T, 4}, table.options().dtype(at::kLong));
+  int64_t* row = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t lq = cu[i + 1] - cu[i], lk = used[i], held = (lk + page_size - 1) / page_size;
+    if (lq < 0 || lq > max_q || lk < 0 || lk > max_k || held > M) return {};
+    for (int64_t j = 0; j < held; ++j)
+      if (pages[i * M + j] < 0 || pages[i * M + j] >= P) return {};
+    for (int64_t j = 0; j < lq; ++j, row += 4) {
+      const int64_t p = lk - lq + j;  // the token's position among its sequence's keys
+      row[0] = i, row[1] = 0, row[2] = causal ? std::clamp(p + 1, int64_t{0}, lk) : lk, row[3] = p;
+    }
+  }
+  const at::Tensor table64 = table.scalar_type() == at::kLong ? table : table.to(at::kLong);
+  const Pages source{table64.const_data_ptr<int64_t>(), M, page_size};
+  const auto tokens = [](const at::Tensor& x) { return x.flatten(0, 1); };
+  const at::Tensor no_slopes = at::empty({0}, q.options().dtype(at::kFloat));
+  return tokens_call(q, tokens(k_pool), tokens(v_pool), source, rows, scale, 0.0, no_slopes, splits);
+}
+
 std::vector<at::Tensor> packed_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const at::Tensor& start, const at::Tensor& rows, double scale,
                                       double softcap, const at::Tensor& slopes, int64_t splits) {

@@ -18,9 +18,12 @@ Legend: N sequences, T_q / T_k packed tokens, H_q / H_kv heads, D / Dv features.
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 
-from qkv.backends.base import Rules
+from qkv.backends.base import Rules, default_scale
 from qkv.backends.flash import autograd, kernel
 from qkv.backends.flash import paged as paged_reading
 from qkv.backends.flash.rules import decoding_slopes
@@ -80,6 +83,69 @@ def paged(
         out4, lse4 = with_sinks(out.transpose(0, 1)[None], lse[None], rules.sinks)
         out, lse = out4[0].transpose(0, 1), lse4[0]
     return out.to(query.dtype), lse
+
+
+_PLAIN_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def plain_paged(
+    query: Any,
+    pool_k: Any,
+    pool_v: Any,
+    cu_seq_q: Any,
+    seqused_k: Any,
+    block_table: Any,
+    max_q: Any,
+    max_k: Any,
+    scale: Any,
+    causal: Any,
+    enable_gqa: Any,
+) -> torch.Tensor | None:
+    """The output of a plain paged decoding call straight from the kernel (``paged.h``'s
+    plain_paged_decode), or None where the call is not one (then it takes the whole path).
+
+    Plain: ``varlen_attn(query, pool_k, pool_v, cu_seq_q, None, max_q, max_k, seqused_k=,
+    block_table=, causal=, scale=, enable_gqa=)`` and nothing more, eager contiguous CPU tensors
+    of one dtype, float32 or bfloat16, nothing empty, no gradient to record, the kernel built.
+    The whole path would run ``paged`` on the same kernel with the same rows: the same bits. Its
+    checks of the lengths and the table (one tensor operation each, some per sequence) are made
+    by the kernel as tests; any that fails sends the call to the whole path, which raises."""
+    tensors = (query, pool_k, pool_v, cu_seq_q, seqused_k, block_table)
+    if any(type(x) is not torch.Tensor for x in tensors) or torch.compiler.is_compiling():
+        return None  # (subclasses and a tracer's tensors: the whole path)
+    if type(causal) is not bool or type(enable_gqa) is not bool:
+        return None
+    if type(max_q) is not int or type(max_k) is not int or min(max_q, max_k) < 0:
+        return None
+    dtype = query.dtype
+    if dtype not in _PLAIN_DTYPES or pool_k.dtype != dtype or pool_v.dtype != dtype:
+        return None
+    if query.dim() != 3 or pool_k.dim() != 4 or pool_k.shape[:-1] != pool_v.shape[:-1]:
+        return None
+    (_, hq, d), hkv = query.shape, pool_k.shape[2]
+    if pool_k.shape[-1] != d or hkv == 0 or hq % hkv or (hq != hkv and not enable_gqa):
+        return None
+    if 0 in query.shape or 0 in pool_v.shape or not all(x.is_cpu for x in tensors):
+        return None
+    if not (query.is_contiguous() and pool_k.is_contiguous() and pool_v.is_contiguous()):
+        return None
+    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
+        return None
+    if scale is None:
+        scale = default_scale(d)
+    elif type(scale) is not float or not math.isfinite(scale):
+        return None  # (the whole path checks it)
+    if not (kernel.ENABLED and kernel.available()):
+        return None
+    module = kernel.load()
+    result = module.plain_paged_decode(  # type: ignore[union-attr]
+        query, pool_k, pool_v, cu_seq_q, seqused_k, block_table, max_q, max_k, causal, scale,
+        kernel.DECODE_SPLITS,
+    )  # fmt: skip
+    if not result:
+        return None
+    out: torch.Tensor = result[0]
+    return out if dtype == torch.float32 else out.to(dtype)
 
 
 def decoding(
