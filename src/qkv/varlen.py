@@ -86,12 +86,10 @@ def varlen_attn(
     A row with no key gives 0. Differentiable for contiguous keys; a paged call is inference
     only (an error says so if gradients are asked for).
     """
-    if block_table is not None and _plain(
-        cu_seq_k, return_aux, window_size, softcap, alibi_slopes, sinks
-    ):
-        out = flash_varlen.plain_paged(
-            query, key, value, cu_seq_q, seqused_k, block_table, max_q, max_k, scale, causal,
-            enable_gqa,
+    if _plain(return_aux, window_size, softcap, alibi_slopes, sinks):
+        out = flash_varlen.plain(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table,
+            scale=scale, causal=causal, enable_gqa=enable_gqa,
         )  # fmt: skip
         if out is not None:
             return out
@@ -156,13 +154,11 @@ def one_by_one(
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
 
 
-def _plain(cu_seq_k: Any, return_aux: Any, window_size: Any, *rules: Any) -> bool:
-    """Whether a paged call asks nothing but its lengths, causal and scale: no cu_seq_k (only
-    checked there), no aux output, window (-1, -1) as ints, no softcap, ALiBi or sinks
-    (``flash.varlen.plain_paged`` then may run it)."""
+def _plain(return_aux: Any, window_size: Any, *rules: Any) -> bool:
+    """Whether a call asks nothing but its lengths, causal and scale: no aux output, window
+    (-1, -1) as ints, no softcap, ALiBi or sinks (``flash.varlen.plain`` then may run it)."""
     return (
-        cu_seq_k is None
-        and return_aux is None
+        return_aux is None
         and type(window_size) is tuple
         and len(window_size) == 2
         and all(type(side) is int and side == -1 for side in window_size)

@@ -167,6 +167,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("decode_step", &decode_step, "write new keys/values into a KV cache's buffers, attend");
   module.def("paged_decode", &paged_decode, "a few queries per sequence against a paged cache");
   module.def("plain_paged_decode", &plain_paged_decode, "paged_decode with its checks and rows");
+  module.def("plain_packed_decode", &plain_packed_decode, "packed_decode with its checks, rows");
   module.def("forward_program", &forward_program, "flash forward with a mod program");
   module.def("backward_program", &backward_program, "flash backward with a mod program");
   module.def("evaluate_program", &evaluate_program, "a mod program on a block of scores");

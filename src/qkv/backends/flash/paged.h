@@ -163,14 +163,29 @@ inline bool int_values(const at::Tensor& x, int64_t dims, std::vector<int64_t>& 
   return true;
 }
 
-// A plain paged decoding call (qkv.varlen_attn with block_table, seqused_k, max_q, max_k,
-// causal, scale and nothing more; backends/flash/varlen.py's plain_paged has checked the
-// tensors' kinds and shapes): every check the whole path makes of cu_seq_q (N + 1,), seqused_k
-// (N,) and the table (N, M), made here as a test, and each query token's row (sequence, lo, hi,
-// position) as sequences.py's rows gives it, causal bottom-right or no rule. Returns paged_decode's
-// (out, lse), or nothing where a check fails: the caller then takes the whole path, which names the
-// error. (A decoding step comes once per layer per token; here its checks cost no tensor
-// operations.)
+// Sequence i's query token rows (sequence, lo, hi, position) as sequences.py's rows gives them,
+// causal bottom-right or no rule, written from row on: lq query tokens against lk keys. False
+// where the whole path would reject the lengths (or, with at most `queries` query tokens a
+// sequence, not decode them).
+inline bool plain_rows(int64_t i, int64_t lq, int64_t lk, int64_t max_q, int64_t max_k,
+                       bool causal, int64_t*& row) {
+  if (lq < 0 || lq > max_q || lk < 0 || lk > max_k) return false;
+  for (int64_t j = 0; j < lq; ++j, row += 4) {
+    const int64_t p = lk - lq + j;  // the token's position among its sequence's keys
+    row[0] = i, row[1] = 0, row[2] = causal ? std::clamp(p + 1, int64_t{0}, lk) : lk, row[3] = p;
+  }
+  return true;
+}
+
+// Plain decoding calls of qkv.varlen_attn (its lengths, max_q, max_k, causal and scale, nothing
+// more; backends/flash/varlen.py's plain_paged and plain_packed have checked the tensors' kinds
+// and shapes): every check the whole path makes of cu_seq_q (N + 1,), seqused_k (N,) and the
+// block table (N, M) of a paged call, or of cu_seq_q and cu_seq_k of a packed one, made here as
+// a test, and each query token's row built. They return paged_decode's or packed_decode's (out,
+// lse), or nothing where a check fails (or a packed sequence has `queries` query tokens or more,
+// which the whole path runs on the block kernel): the caller then takes the whole path, which
+// names the error. (A decoding step comes once per layer per token; here its checks cost no
+// tensor operations.)
 std::vector<at::Tensor> plain_paged_decode(const at::Tensor& q, const at::Tensor& k_pool,
                                            const at::Tensor& v_pool, const at::Tensor& cu_seq_q,
                                            const at::Tensor& seqused_k, const at::Tensor& table,
@@ -187,20 +202,41 @@ std::vector<at::Tensor> plain_paged_decode(const at::Tensor& q, const at::Tensor
   at::Tensor rows = at::empty({T, 4}, table.options().dtype(at::kLong));
   int64_t* row = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < N; ++i) {
-    const int64_t lq = cu[i + 1] - cu[i], lk = used[i], held = (lk + page_size - 1) / page_size;
-    if (lq < 0 || lq > max_q || lk < 0 || lk > max_k || held > M) return {};
+    const int64_t lk = used[i], held = lk > 0 ? (lk + page_size - 1) / page_size : 0;
+    if (!plain_rows(i, cu[i + 1] - cu[i], lk, max_q, max_k, causal, row) || held > M) return {};
     for (int64_t j = 0; j < held; ++j)
       if (pages[i * M + j] < 0 || pages[i * M + j] >= P) return {};
-    for (int64_t j = 0; j < lq; ++j, row += 4) {
-      const int64_t p = lk - lq + j;  // the token's position among its sequence's keys
-      row[0] = i, row[1] = 0, row[2] = causal ? std::clamp(p + 1, int64_t{0}, lk) : lk, row[3] = p;
-    }
   }
   const at::Tensor table64 = table.scalar_type() == at::kLong ? table : table.to(at::kLong);
   const Pages source{table64.const_data_ptr<int64_t>(), M, page_size};
   const auto tokens = [](const at::Tensor& x) { return x.flatten(0, 1); };
   const at::Tensor no_slopes = at::empty({0}, q.options().dtype(at::kFloat));
   return tokens_call(q, tokens(k_pool), tokens(v_pool), source, rows, scale, 0.0, no_slopes, splits);
+}
+
+std::vector<at::Tensor> plain_packed_decode(const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v, const at::Tensor& cu_seq_q,
+                                            const at::Tensor& cu_seq_k, int64_t max_q,
+                                            int64_t max_k, int64_t queries, bool causal,
+                                            double scale, int64_t splits) {
+  std::vector<int64_t> cq, ck;
+  const int64_t T = q.size(0), N = static_cast<int64_t>(cu_seq_q.numel()) - 1;
+  if (!int_values(cu_seq_q, 1, cq) || !int_values(cu_seq_k, 1, ck) || N < 1 ||
+      static_cast<int64_t>(ck.size()) != N + 1 || T == 0 || cq[0] != 0 || ck[0] != 0 ||
+      cq[N] != T || ck[N] != k.size(0))
+    return {};
+  at::Tensor rows = at::empty({T, 4}, cu_seq_q.options().dtype(at::kLong));
+  at::Tensor start = at::empty({N}, cu_seq_q.options().dtype(at::kLong));
+  int64_t* row = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t lq = cq[i + 1] - cq[i];
+    if (lq >= queries || !plain_rows(i, lq, ck[i + 1] - ck[i], max_q, max_k, causal, row))
+      return {};
+    start.data_ptr<int64_t>()[i] = ck[i];
+  }
+  const at::Tensor no_slopes = at::empty({0}, q.options().dtype(at::kFloat));
+  return tokens_call(q.contiguous(), k, v, Packed{start.const_data_ptr<int64_t>()}, rows, scale,
+                     0.0, no_slopes, splits);
 }
 
 std::vector<at::Tensor> packed_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -88,46 +88,81 @@ def paged(
 _PLAIN_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def plain_paged(
+def plain(
     query: Any,
-    pool_k: Any,
-    pool_v: Any,
+    key: Any,
+    value: Any,
     cu_seq_q: Any,
-    seqused_k: Any,
-    block_table: Any,
+    cu_seq_k: Any,
     max_q: Any,
     max_k: Any,
-    scale: Any,
-    causal: Any,
-    enable_gqa: Any,
+    seqused_k: Any,
+    block_table: Any,
+    **rules: Any,
 ) -> torch.Tensor | None:
-    """The output of a plain paged decoding call straight from the kernel (``paged.h``'s
-    plain_paged_decode), or None where the call is not one (then it takes the whole path).
+    """The output of a plain decoding call of ``qkv.varlen_attn`` straight from the kernel
+    (``paged.h``'s plain_paged_decode, plain_packed_decode), or None where the call is not one
+    (then it takes the whole path). ``rules``: scale, causal, enable_gqa.
 
-    Plain: ``varlen_attn(query, pool_k, pool_v, cu_seq_q, None, max_q, max_k, seqused_k=,
-    block_table=, causal=, scale=, enable_gqa=)`` and nothing more, eager contiguous CPU tensors
-    of one dtype, float32 or bfloat16, nothing empty, no gradient to record, the kernel built.
-    The whole path would run ``paged`` on the same kernel with the same rows: the same bits. Its
-    checks of the lengths and the table (one tensor operation each, some per sequence) are made
-    by the kernel as tests; any that fails sends the call to the whole path, which raises."""
-    tensors = (query, pool_k, pool_v, cu_seq_q, seqused_k, block_table)
+    Plain: the lengths, ``causal``, ``scale`` and ``enable_gqa`` and nothing more (the caller has
+    checked that no window, softcap, ALiBi, sinks or lse is asked for); pages (``block_table``,
+    ``seqused_k``, no ``cu_seq_k``) or packed keys (``cu_seq_k``, no ``seqused_k``) with fewer
+    than ``kernel.DECODE_QUERIES`` query tokens a sequence; eager CPU tensors of one dtype,
+    float32 or bfloat16, nothing empty, no gradient to record, the kernel built. The whole path
+    would run ``paged`` or ``_decode`` on the same kernel with the same rows: the same bits. Its
+    checks of the lengths and the table (a tensor operation each) are made by the kernel as
+    tests; any that fails sends the call to the whole path, which raises."""
+    paged = block_table is not None
+    given = (seqused_k, block_table) if paged else (cu_seq_k,)
+    if (cu_seq_k if paged else seqused_k) is not None:
+        return None
+    tensors = (query, key, value, cu_seq_q, *given)
+    scale = _plain_scale(tensors, 4 if paged else 3, max_q, max_k, **rules)
+    if scale is None:
+        return None
+    causal, queries, splits = rules["causal"], kernel.DECODE_QUERIES, kernel.DECODE_SPLITS
+    module = kernel.load()
+    if paged:
+        result = module.plain_paged_decode(  # type: ignore[union-attr]
+            query, key, value, cu_seq_q, *given, max_q, max_k, causal, scale, splits
+        )
+    else:
+        result = module.plain_packed_decode(  # type: ignore[union-attr]
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, queries, causal, scale, splits
+        )
+    if not result:
+        return None
+    out: torch.Tensor = result[0]
+    return out if query.dtype == torch.float32 else out.to(query.dtype)
+
+
+def _plain_scale(
+    tensors: tuple[Any, ...], kv_dims: int, max_q: Any, max_k: Any, **rules: Any
+) -> float | None:
+    """The scale of a plain decoding call (``plain`` says which) of query, keys and values (the
+    first three of ``tensors``, keys of ``kv_dims`` dimensions: pools or packed), or None where
+    the call is not one."""
+    query, key, value = tensors[:3]
     if any(type(x) is not torch.Tensor for x in tensors) or torch.compiler.is_compiling():
         return None  # (subclasses and a tracer's tensors: the whole path)
+    causal, enable_gqa, scale = rules["causal"], rules["enable_gqa"], rules["scale"]
     if type(causal) is not bool or type(enable_gqa) is not bool:
         return None
     if type(max_q) is not int or type(max_k) is not int or min(max_q, max_k) < 0:
         return None
     dtype = query.dtype
-    if dtype not in _PLAIN_DTYPES or pool_k.dtype != dtype or pool_v.dtype != dtype:
+    if dtype not in _PLAIN_DTYPES or key.dtype != dtype or value.dtype != dtype:
         return None
-    if query.dim() != 3 or pool_k.dim() != 4 or pool_k.shape[:-1] != pool_v.shape[:-1]:
+    if query.dim() != 3 or key.dim() != kv_dims or key.shape[:-1] != value.shape[:-1]:
         return None
-    (_, hq, d), hkv = query.shape, pool_k.shape[2]
-    if pool_k.shape[-1] != d or hkv == 0 or hq % hkv or (hq != hkv and not enable_gqa):
+    (_, hq, d), hkv = query.shape, key.shape[-2]
+    if key.shape[-1] != d or hkv == 0 or hq % hkv or (hq != hkv and not enable_gqa):
         return None
-    if 0 in query.shape or 0 in pool_v.shape or not all(x.is_cpu for x in tensors):
+    if 0 in query.shape or 0 in value.shape or not all(x.is_cpu for x in tensors):
         return None
-    if not (query.is_contiguous() and pool_k.is_contiguous() and pool_v.is_contiguous()):
+    rows_contiguous = key.stride(-1) == 1 and value.stride(-1) == 1
+    pools_contiguous = query.is_contiguous() and key.is_contiguous() and value.is_contiguous()
+    if not (pools_contiguous if kv_dims == 4 else rows_contiguous):
         return None
     if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
         return None
@@ -135,17 +170,7 @@ def plain_paged(
         scale = default_scale(d)
     elif type(scale) is not float or not math.isfinite(scale):
         return None  # (the whole path checks it)
-    if not (kernel.ENABLED and kernel.available()):
-        return None
-    module = kernel.load()
-    result = module.plain_paged_decode(  # type: ignore[union-attr]
-        query, pool_k, pool_v, cu_seq_q, seqused_k, block_table, max_q, max_k, causal, scale,
-        kernel.DECODE_SPLITS,
-    )  # fmt: skip
-    if not result:
-        return None
-    out: torch.Tensor = result[0]
-    return out if dtype == torch.float32 else out.to(dtype)
+    return float(scale) if kernel.ENABLED and kernel.available() else None
 
 
 def decoding(

@@ -1,8 +1,8 @@
-"""The plain paged lane (``flash.varlen.plain_paged``): ``qkv.varlen_attn`` sends a paged call
-with nothing but its lengths, causal and scale straight to the kernel, which makes the whole
-path's checks of the lengths and the block table as tests. It must give the whole path's bits,
-and every call it is not sure of (a failed check, any other argument) must take the whole path,
-which raises or runs it.
+"""The plain varlen lane (``flash.varlen.plain``): ``qkv.varlen_attn`` sends a decoding call with
+nothing but its lengths, causal and scale (pages through a block table, or packed keys) straight
+to the kernel, which makes the whole path's checks of the lengths and the block table as tests.
+It must give the whole path's bits, and every call it is not sure of (a failed check, any other
+argument) must take the whole path, which raises or runs it.
 Legend: N sequences, T_q query tokens, P pages of page_size, Hq/Hkv heads, D features.
 """
 
@@ -66,15 +66,15 @@ def _call(b: Any, pool: dict[str, Any], **rules: Any) -> tuple[list[Any], dict[s
 
 
 def _whole_path(args: list[Any], kwargs: dict[str, Any]) -> Any:
-    with mock.patch.object(flash_varlen, "plain_paged", return_value=None):
+    with mock.patch.object(flash_varlen, "plain", return_value=None):
         return qkv.varlen_attn(*args, **kwargs)
 
 
 def _lane(args: list[Any], kwargs: dict[str, Any]) -> torch.Tensor | None:
-    q, k, v, cu_q, _, max_q, max_k = args
-    return flash_varlen.plain_paged(
-        q, k, v, cu_q, kwargs["seqused_k"], kwargs["block_table"], max_q, max_k,
-        kwargs.get("scale"), kwargs.get("causal", False), kwargs["enable_gqa"],
+    rules = {"scale": kwargs.get("scale"), "causal": kwargs.get("causal", False)}
+    return flash_varlen.plain(
+        *args, kwargs.get("seqused_k"), kwargs.get("block_table"),
+        enable_gqa=kwargs["enable_gqa"], **rules,
     )  # fmt: skip
 
 
@@ -184,6 +184,7 @@ NOT_PLAIN: dict[str, dict[str, Any]] = {
     "a bool max_q": {"max_q": True},
     "a query subclass": {"query": "subclass"},
     "no sequences": {"empty": True},
+    "cu_seq_k beside the pages": {"cu_seq_k": torch.tensor([0, 9, 29, 33], dtype=torch.int32)},
 }
 
 
@@ -207,6 +208,8 @@ def _not_plain(change: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
             kwargs[name] = change[name]
     if "max_q" in change:
         args[5] = change["max_q"]
+    if "cu_seq_k" in change:
+        args[4] = change["cu_seq_k"]
     return args, kwargs
 
 
@@ -225,7 +228,6 @@ def test_calls_the_lane_is_not_sure_of_take_the_whole_path(case: str) -> None:
         {"alibi_slopes": torch.tensor([0.5, 0.25, 0.1, 0.05])},
         {"sinks": torch.zeros(4)},
         {"return_aux": AuxRequest(lse=True)},
-        {"cu_seq_k": torch.tensor([0, 9, 29, 33], dtype=torch.int32)},
     ],
 )
 def test_a_call_with_more_than_lengths_causal_and_scale_never_reaches_the_lane(
@@ -234,15 +236,13 @@ def test_a_call_with_more_than_lengths_causal_and_scale_never_reaches_the_lane(
     b, pool = _plain_case()
     args, kwargs = _call(b, pool, causal=True)
     more = list(args)
-    if "cu_seq_k" in extra:
-        more[4] = extra.pop("cu_seq_k")
-    lane = mock.Mock(wraps=flash_varlen.plain_paged)
+    lane = mock.Mock(wraps=flash_varlen.plain)
     refused = contextlib.suppress(ValueError, TypeError)  # ((-1.0, -1): the whole path's error)
-    with mock.patch.object(flash_varlen, "plain_paged", lane), refused:
+    with mock.patch.object(flash_varlen, "plain", lane), refused:
         qkv.varlen_attn(*more, **kwargs, **extra)
     assert not lane.called
-    control = mock.Mock(wraps=flash_varlen.plain_paged)
-    with mock.patch.object(flash_varlen, "plain_paged", control):
+    control = mock.Mock(wraps=flash_varlen.plain)
+    with mock.patch.object(flash_varlen, "plain", control):
         qkv.varlen_attn(*args, **kwargs)
     assert control.call_count == 1  # (a control: the plain call asks the lane)
 
@@ -254,4 +254,90 @@ def test_without_the_compiled_kernel_nothing_takes_the_lane(monkeypatch: Any) ->
     assert _lane(args, kwargs) is None
     expected, _ = oracle(b, right=0)
     got = qkv.varlen_attn(*args, **kwargs)  # the whole path's loop
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+# Packed keys (cu_seq_k): a decoding step of continuous batching.
+
+
+def _packed(b: Any, strided: bool) -> tuple[list[Any], dict[str, Any]]:
+    """A plain packed call on b; ``strided``: query, keys and values as views of (H, T, D)
+    tensors, as transformers' continuous batching hands them over."""
+    q, k, v = b.query, b.key, b.value
+    if strided:
+        q, k, v = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (q, k, v))
+    args = [q, k, v, b.cu_seq_q, b.cu_seq_k, max(b.q_lens), max(b.k_lens)]
+    return args, {"enable_gqa": True}
+
+
+@given(
+    lengths=st.lists(st.tuples(st.integers(0, 15), st.integers(0, 70)), min_size=1, max_size=5),
+    heads=st.sampled_from([(1, 1), (4, 4), (8, 2), (6, 1)]),
+    dims=st.sampled_from([(64, 64), (8, 5), (33, 80)]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    causal=st.booleans(),
+    scale=st.sampled_from([None, 0.3]),
+    strided=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_the_packed_lane_gives_the_whole_paths_bits_and_the_oracles_numbers(
+    lengths: list[tuple[int, int]],
+    heads: tuple[int, int],
+    dims: tuple[int, int],
+    dtype: torch.dtype,
+    causal: bool,
+    scale: float | None,
+    strided: bool,
+    seed: int,
+) -> None:
+    q_lens, k_lens = [lq for lq, _ in lengths], [lk for _, lk in lengths]
+    if sum(q_lens) == 0:
+        q_lens[0] = 1
+    if sum(k_lens) == 0:
+        k_lens[0] = 1
+    b = batch(q_lens, k_lens, *heads, *dims, dtype=dtype, seed=seed)
+    args, kwargs = _packed(b, strided)
+    kwargs.update(causal=causal, scale=scale)
+    lane = _lane(args, kwargs)
+    assert lane is not None and lane.dtype == dtype  # a plain call: the lane runs it
+    assert torch.equal(qkv.varlen_attn(*args, **kwargs), lane)
+    assert torch.equal(_whole_path(args, kwargs), lane)
+    expected, _ = oracle(b, right=0 if causal else None, scale=scale)
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(lane.double(), expected, atol=atol, rtol=rtol)
+
+
+# Packed calls the whole path rejects, or runs elsewhere (16 queries: the block kernel).
+PACKED_BAD = {
+    "cu_seq_k not from 0": ({"cu_seq_k": torch.tensor([1, 9, 29, 33])}, "must start at 0"),
+    "cu_seq_k falls": ({"cu_seq_k": torch.tensor([0, 29, 9, 33])}, "never decrease"),
+    "cu_seq_k short of T_k": ({"cu_seq_k": torch.tensor([0, 9, 29, 32])}, "must equal T_k"),
+    "cu_seq_k too long": ({"cu_seq_k": torch.tensor([0, 9, 29, 30, 33])}, "same length"),
+    "cu_seq_k float": ({"cu_seq_k": torch.tensor([0.0, 9, 29, 33])}, "int32 or int64"),
+    "a length past max_k": ({"max_k": 19}, "max_k = 19, but sequence 1 has 20"),
+    "a query past max_q": ({"max_q": 1}, "max_q = 1, but sequence 1 has 2"),
+    "seqused_k beside packed keys": ({"seqused_k": torch.tensor([9, 20, 4])}, None),
+    "16 queries": ({"queries": 16}, None),
+}
+
+
+@pytest.mark.parametrize("case", PACKED_BAD)
+def test_packed_calls_the_lane_is_not_sure_of_take_the_whole_path(case: str) -> None:
+    change, words = PACKED_BAD[case]
+    b = batch([1, 16 if "queries" in change else 2, 1], [9, 20, 4], 4, 2, 8, 8)
+    args, kwargs = _packed(b, strided=False)
+    kwargs["causal"] = True
+    positions = {"cu_seq_k": 4, "max_q": 5, "max_k": 6}
+    for name, value in change.items():
+        if name in positions:
+            args[positions[name]] = value
+        elif name == "seqused_k":
+            kwargs[name] = value
+    assert _lane(args, kwargs) is None
+    if words is not None:
+        with pytest.raises((ValueError, TypeError), match=words):
+            qkv.varlen_attn(*args, **kwargs)
+        return
+    expected, _ = oracle(b, right=0)  # (seqused_k: all of each sequence's keys here)
+    got = qkv.varlen_attn(*args, **kwargs)
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
