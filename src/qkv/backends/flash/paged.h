@@ -178,10 +178,10 @@ inline bool plain_rows(int64_t i, int64_t lq, int64_t lk, int64_t max_q, int64_t
 }
 
 // Plain decoding calls of qkv.varlen_attn (its lengths, max_q, max_k, causal and scale, nothing
-// more; backends/flash/varlen.py's plain_paged and plain_packed have checked the tensors' kinds
-// and shapes): every check the whole path makes of cu_seq_q (N + 1,), seqused_k (N,) and the
-// block table (N, M) of a paged call, or of cu_seq_q and cu_seq_k of a packed one, made here as
-// a test, and each query token's row built. They return paged_decode's or packed_decode's (out,
+// more; backends/flash/varlen.py's plain has checked the tensors' kinds and shapes): every check
+// the whole path makes of cu_seq_q (N + 1,), seqused_k (N,) and the block table (N, M) of a
+// paged call, or of cu_seq_q and cu_seq_k of a packed one, made here as a test, and each query
+// token's row built. They return paged_decode's or packed_decode's (out,
 // lse), or nothing where a check fails (or a packed sequence has `queries` query tokens or more,
 // which the whole path runs on the block kernel): the caller then takes the whole path, which
 // names the error. (A decoding step comes once per layer per token; here its checks cost no
