@@ -341,3 +341,31 @@ def test_packed_calls_the_lane_is_not_sure_of_take_the_whole_path(case: str) -> 
     expected, _ = oracle(b, right=0)  # (seqused_k: all of each sequence's keys here)
     got = qkv.varlen_attn(*args, **kwargs)
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_paged_cache_step_of_attention_with_cache_takes_the_lane() -> None:
+    """``attention_with_cache`` on a ``PagedKVCache`` asks ``varlen_attn`` for no lse
+    (``AuxRequest(lse=False)``): a plain decoding step is run by the lane, with the whole path's
+    output and cache."""
+    generator = torch.Generator().manual_seed(3)
+    prefix = torch.randn(2, 2, 21, 8, generator=generator)
+    new, q = torch.randn(2, 2, 1, 8, generator=generator), torch.randn(2, 4, 1, 8)
+    answers: list[Any] = []
+    original = flash_varlen.plain
+
+    def lane(*args: Any, **kwargs: Any) -> Any:
+        answers.append(original(*args, **kwargs))
+        return answers[-1]
+
+    outs, caches = [], []
+    for attend in (lane, mock.Mock(return_value=None)):
+        cache = qkv.PagedKVCache(16, 4, 2, 8)
+        for seq in range(2):
+            cache.append(seq, prefix[seq].transpose(0, 1), prefix[seq].transpose(0, 1))
+        with mock.patch.object(flash_varlen, "plain", attend):
+            outs.append(qkv.attention_with_cache(q, new, new, cache, causal=True))
+        caches.append(cache)
+    assert len(answers) == 1 and isinstance(answers[0], torch.Tensor)  # the lane ran the step
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0].keys, caches[1].keys)
+    assert caches[0].lengths([0, 1]).tolist() == caches[1].lengths([0, 1]).tolist() == [22, 22]

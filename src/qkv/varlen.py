@@ -155,10 +155,11 @@ def one_by_one(
 
 
 def _plain(return_aux: Any, window_size: Any, *rules: Any) -> bool:
-    """Whether a call asks nothing but its lengths, causal and scale: no aux output, window
-    (-1, -1) as ints, no softcap, ALiBi or sinks (``flash.varlen.plain`` then may run it)."""
+    """Whether a call asks nothing but its lengths, causal and scale: no lse (``return_aux`` None,
+    or its ``lse`` False, as ``attention_with_cache`` on a ``PagedKVCache`` asks), window (-1, -1)
+    as ints, no softcap, ALiBi or sinks (``flash.varlen.plain`` then may run it)."""
     return (
-        return_aux is None
+        (return_aux is None or getattr(return_aux, "lse", None) is False)
         and type(window_size) is tuple
         and len(window_size) == 2
         and all(type(side) is int and side == -1 for side in window_size)
