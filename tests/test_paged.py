@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from oracle import TOLERANCE
@@ -247,6 +247,65 @@ def test_a_sequence_truncated_to_zero_stays_until_freed() -> None:
     assert torch.equal(cache.keys[page, 0], torch.full((1, 2), 2.0))
     cache.free("r")
     assert "r" not in cache and cache.free_pages == 4
+
+
+def _caches(page_size: int, held: list[int], dtype: torch.dtype) -> list[qkv.PagedKVCache]:
+    """Two equal caches: sequence i holds held[i] tokens (none held: not yet a sequence)."""
+    caches = []
+    for _ in range(2):
+        cache = qkv.PagedKVCache(64, page_size, 2, 3, dtype, value_dim=5)
+        for i, n in enumerate(held):
+            if n:
+                tokens = torch.arange(n * 10.0).view(n, 2, 5).to(dtype)
+                cache.append(i, tokens[..., :3], tokens)
+        caches.append(cache)
+    return caches
+
+
+@given(
+    held=st.lists(st.integers(0, 9), min_size=1, max_size=5),
+    new=st.integers(0, 7),
+    page_size=st.integers(1, 4),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+    order=st.randoms(use_true_random=False),
+)
+def test_a_steps_appends_in_one_write_equal_one_append_per_sequence(
+    held: list[int], new: int, page_size: int, dtype: torch.dtype, order: Any
+) -> None:
+    """``_append_step`` (attention_with_cache's writes: one kernel call on the CPU) leaves the
+    pools, lengths, pages and free list that one ``append`` per sequence leaves."""
+    each, step = _caches(page_size, held, dtype)
+    seqs = list(range(len(held)))
+    order.shuffle(seqs)
+    k = torch.randn(len(seqs), 2, new, 3).to(dtype)
+    v = torch.randn(len(seqs), 2, new, 5).to(dtype)
+    for b, seq in enumerate(seqs):
+        each.append(seq, k[b].transpose(0, 1), v[b].transpose(0, 1))
+    step._append_step(seqs, k, v)
+    assert torch.equal(each.keys, step.keys) and torch.equal(each.values, step.values)
+    assert each.lengths(seqs).tolist() == step.lengths(seqs).tolist()
+    assert [each.pages_of(s) for s in seqs] == [step.pages_of(s) for s in seqs]
+    assert each._free == step._free
+
+
+def test_a_step_the_pool_cannot_hold_raises_and_leaves_the_cache(monkeypatch: Any) -> None:
+    """Too few free pages: the one append that runs short raises, and the step's other appends
+    are undone (lengths, pages, the tokens held); with the kernel's write and without it."""
+    for enabled in (True, False):
+        monkeypatch.setattr(qkv.backends.flash.kernel, "ENABLED", enabled)
+        cache = qkv.PagedKVCache(3, 2, 2, 4)
+        cache.append("a", torch.ones(3, 2, 4), torch.ones(3, 2, 4))
+        q, k = torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4)
+        with pytest.raises(PoolExhausted, match="needs 2 more pages"):
+            qkv.attention_with_cache(q, k, k, cache, sequences=["a", "b"], causal=True)
+        assert cache.sequences == ["a"] and cache.length("a") == 3 and cache.free_pages == 1
+        table = cache.pages_of("a")
+        held = torch.stack([cache.keys[table[t // 2], t % 2] for t in range(3)])
+        assert torch.equal(held, torch.ones(3, 2, 4))
+        q, k = torch.randn(1, 2, 1, 4), torch.full((1, 2, 1, 4), 2.0)
+        qkv.attention_with_cache(q, k, k, cache, sequences=["a"], causal=True)
+        assert cache.length("a") == 4
+        assert torch.equal(cache.keys[cache.pages_of("a")[1], 1], k[0, :, 0])
 
 
 class PagedCacheAgainstAList(RuleBasedStateMachine):

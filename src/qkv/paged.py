@@ -114,6 +114,37 @@ class PagedKVCache:
             self.values[page, slot : slot + n] = v[written : written + n]
             written += n
 
+    def _append_step(
+        self, seqs: Sequence[Hashable], k_new: torch.Tensor, v_new: torch.Tensor
+    ) -> None:
+        """``append(seqs[b], k_new[b].transpose(0, 1), v_new[b].transpose(0, 1))`` for each b in
+        turn, k_new (N, H_kv, L, D) and v_new (N, H_kv, L, Dv) for N distinct sequences: the same
+        checks, the same pages in the same order. On the CPU with flash's compiled kernel the
+        tokens are written by one kernel call (``paged_write``), in place of two small tensor
+        copies per sequence (a decoding step's N appends cost more than its attention); where the
+        pool has too few free pages, the appends run one by one and the one that runs short
+        raises."""
+        if not seqs:
+            return
+        self._check_tokens(k_new[0].transpose(0, 1), v_new[0].transpose(0, 1))
+        count = k_new.shape[2]
+        lengths = [self._lengths.get(seq, 0) for seq in seqs]
+        held = [self._pages.get(seq, []) for seq in seqs]
+        needed = [-(-(n + count) // self.page_size) - len(p) for n, p in zip(lengths, held)]
+        writer = _writer(self.keys, self.values, k_new, v_new)
+        if writer is None or sum(needed) > len(self._free):
+            for b, seq in enumerate(seqs):
+                self.append(seq, k_new[b].transpose(0, 1), v_new[b].transpose(0, 1))
+            return
+        pages, slots = [], []
+        for seq, length, owned, more in zip(seqs, lengths, held, needed):
+            owned = owned + [self._free.pop() for _ in range(more)]
+            self._pages[seq], self._lengths[seq] = owned, length + count
+            for position in range(length, length + count):
+                pages.append(owned[position // self.page_size])
+                slots.append(position % self.page_size)
+        writer.paged_write(self.keys, self.values, k_new, v_new, pages, slots)
+
     def free(self, seq: Hashable) -> None:
         """Forget sequence ``seq`` and return its pages to the pool."""
         pages = self._pages.pop(self._known(seq))
@@ -183,6 +214,16 @@ class PagedKVCache:
             )
 
 
+def _writer(*tensors: torch.Tensor) -> Any:
+    """flash's compiled kernel where its ``paged_write`` takes these pools and new keys and
+    values (all on the CPU, rows contiguous), else None."""
+    from qkv.backends.flash import kernel
+
+    if not all(x.is_cpu and x.stride(-1) == 1 for x in tensors) or not kernel.ENABLED:
+        return None
+    return kernel.load()
+
+
 def attention_with_paged_cache(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -213,8 +254,7 @@ def attention_with_paged_cache(
     keywords = _varlen_options(options)
     before = {seq: cache.length(seq) if seq in cache else None for seq in seqs}
     try:
-        for index, seq in enumerate(seqs):
-            cache.append(seq, k_new[index].transpose(0, 1), v_new[index].transpose(0, 1))
+        cache._append_step(seqs, k_new, v_new)
         lengths = cache.lengths(seqs)
         cu_seq_q = torch.arange(0, b * length + 1, max(length, 1), dtype=torch.int32)[: b + 1]
         result = varlen_attn(

@@ -168,6 +168,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("paged_decode", &paged_decode, "a few queries per sequence against a paged cache");
   module.def("plain_paged_decode", &plain_paged_decode, "paged_decode with its checks and rows");
   module.def("plain_packed_decode", &plain_packed_decode, "packed_decode with its checks, rows");
+  module.def("paged_write", &paged_write, "a decoding step's keys and values into a paged pool");
   module.def("forward_program", &forward_program, "flash forward with a mod program");
   module.def("backward_program", &backward_program, "flash backward with a mod program");
   module.def("evaluate_program", &evaluate_program, "a mod program on a block of scores");

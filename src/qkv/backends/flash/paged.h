@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -237,6 +238,42 @@ std::vector<at::Tensor> plain_packed_decode(const at::Tensor& q, const at::Tenso
   const at::Tensor no_slopes = at::empty({0}, q.options().dtype(at::kFloat));
   return tokens_call(q.contiguous(), k, v, Packed{start.const_data_ptr<int64_t>()}, rows, scale,
                      0.0, no_slopes, splits);
+}
+
+// A decoding step's new keys and values written into a paged pool (qkv.PagedKVCache's step of
+// attention_with_cache, whose Python has taken the pages): k (N, Hkv, L, D) and v (N, Hkv, L,
+// Dv) with contiguous rows, pools (P, page_size, Hkv, D / Dv) contiguous, all of one dtype; token
+// t of entry b goes to slot slots[b·L + t] of page pages[b·L + t]. One row copy per token and
+// head, in place of two small tensor copies per entry.
+void paged_write(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& k, const at::Tensor& v,
+                 const std::vector<int64_t>& pages, const std::vector<int64_t>& slots) {
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k_pool.dim() == 4 && v_pool.dim() == 4);
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k.stride(3) == 1 &&
+              v.stride(3) == 1, "pools contiguous, rows contiguous");
+  TORCH_CHECK(k.scalar_type() == k_pool.scalar_type() && v.scalar_type() == v_pool.scalar_type());
+  const int64_t N = k.size(0), H = k.size(1), L = k.size(2);
+  TORCH_CHECK(k_pool.size(2) == H && k_pool.size(3) == k.size(3) && v_pool.size(3) == v.size(3) &&
+              v.sizes().slice(0, 3) == k.sizes().slice(0, 3) &&
+              k_pool.sizes().slice(0, 3) == v_pool.sizes().slice(0, 3));
+  TORCH_CHECK(static_cast<int64_t>(pages.size()) == N * L && pages.size() == slots.size());
+  const int64_t P = k_pool.size(0), page_size = k_pool.size(1);
+  for (size_t i = 0; i < pages.size(); ++i)
+    TORCH_CHECK(pages[i] >= 0 && pages[i] < P && slots[i] >= 0 && slots[i] < page_size);
+  const auto write = [&](at::Tensor& pool, const at::Tensor& x) {
+    const int64_t row = x.size(3) * x.element_size();
+    char* out = static_cast<char*>(pool.data_ptr());
+    const char* in = static_cast<const char*>(x.const_data_ptr());
+    for (int64_t b = 0; b < N; ++b)
+      for (int64_t t = 0; t < L; ++t) {
+        const int64_t place = (pages[b * L + t] * page_size + slots[b * L + t]) * H;
+        for (int64_t h = 0; h < H; ++h)
+          std::memcpy(out + (place + h) * row,
+                      in + (b * x.stride(0) + h * x.stride(1) + t * x.stride(2)) * x.element_size(),
+                      row);
+      }
+  };
+  write(k_pool, k);
+  write(v_pool, v);
 }
 
 std::vector<at::Tensor> packed_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
