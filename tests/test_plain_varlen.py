@@ -106,7 +106,14 @@ def test_the_lane_gives_the_whole_paths_bits_and_the_oracles_numbers(
     b = batch(q_lens, k_lens, *heads, *dims, dtype=dtype, seed=seed)
     pool = _pool(b, page_size, table_dtype, seed)
     args, kwargs = _call(b, pool, causal=causal, scale=scale)
+    _assert_the_lane_runs_the_whole_path(b, args, kwargs)
+
+
+def _assert_the_lane_runs_the_whole_path(b: Any, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """A plain call on b: the lane runs it (not None), giving ``varlen_attn``'s and the whole
+    path's bits, and the float64 oracle's numbers within the dtype's tolerance."""
     lane = _lane(args, kwargs)
+    dtype, causal, scale = b.query.dtype, kwargs.get("causal", False), kwargs.get("scale")
     assert lane is not None and lane.dtype == dtype  # a plain call: the lane runs it
     assert torch.equal(qkv.varlen_attn(*args, **kwargs), lane)
     assert torch.equal(_whole_path(args, kwargs), lane)
@@ -298,13 +305,7 @@ def test_the_packed_lane_gives_the_whole_paths_bits_and_the_oracles_numbers(
     b = batch(q_lens, k_lens, *heads, *dims, dtype=dtype, seed=seed)
     args, kwargs = _packed(b, strided)
     kwargs.update(causal=causal, scale=scale)
-    lane = _lane(args, kwargs)
-    assert lane is not None and lane.dtype == dtype  # a plain call: the lane runs it
-    assert torch.equal(qkv.varlen_attn(*args, **kwargs), lane)
-    assert torch.equal(_whole_path(args, kwargs), lane)
-    expected, _ = oracle(b, right=0 if causal else None, scale=scale)
-    atol, rtol = TOLERANCE[dtype]
-    torch.testing.assert_close(lane.double(), expected, atol=atol, rtol=rtol)
+    _assert_the_lane_runs_the_whole_path(b, args, kwargs)
 
 
 # Packed calls the whole path rejects, or runs elsewhere (16 queries: the block kernel).

@@ -150,96 +150,6 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_po
   return tokens_call(q, tokens(k_pool), tokens(v_pool), pages, rows, scale, softcap, slopes, splits);
 }
 
-// A 1-D or 2-D int32/int64 tensor's values, or nothing where it is not one (or not contiguous).
-inline bool int_values(const at::Tensor& x, int64_t dims, std::vector<int64_t>& out) {
-  if (x.dim() != dims || !x.is_contiguous() || x.device().type() != at::kCPU) return false;
-  out.resize(x.numel());
-  if (x.scalar_type() == at::kLong) {
-    std::copy_n(x.const_data_ptr<int64_t>(), x.numel(), out.begin());
-  } else if (x.scalar_type() == at::kInt) {
-    std::copy_n(x.const_data_ptr<int32_t>(), x.numel(), out.begin());
-  } else {
-    return false;
-  }
-  return true;
-}
-
-// Sequence i's query token rows (sequence, lo, hi, position) as sequences.py's rows gives them,
-// causal bottom-right or no rule, written from row on: lq query tokens against lk keys. False
-// where the whole path would reject the lengths (or, with at most `queries` query tokens a
-// sequence, not decode them).
-inline bool plain_rows(int64_t i, int64_t lq, int64_t lk, int64_t max_q, int64_t max_k,
-                       bool causal, int64_t*& row) {
-  if (lq < 0 || lq > max_q || lk < 0 || lk > max_k) return false;
-  for (int64_t j = 0; j < lq; ++j, row += 4) {
-    const int64_t p = lk - lq + j;  // the token's position among its sequence's keys
-    row[0] = i, row[1] = 0, row[2] = causal ? std::clamp(p + 1, int64_t{0}, lk) : lk, row[3] = p;
-  }
-  return true;
-}
-
-// Plain decoding calls of qkv.varlen_attn (its lengths, max_q, max_k, causal and scale, nothing
-// more; backends/flash/varlen.py's plain has checked the tensors' kinds and shapes): every check
-// the whole path makes of cu_seq_q (N + 1,), seqused_k (N,) and the block table (N, M) of a
-// paged call, or of cu_seq_q and cu_seq_k of a packed one, made here as a test, and each query
-// token's row built. They return paged_decode's or packed_decode's (out,
-// lse), or nothing where a check fails (or a packed sequence has `queries` query tokens or more,
-// which the whole path runs on the block kernel): the caller then takes the whole path, which
-// names the error. (A decoding step comes once per layer per token; here its checks cost no
-// tensor operations.)
-std::vector<at::Tensor> plain_paged_decode(const at::Tensor& q, const at::Tensor& k_pool,
-                                           const at::Tensor& v_pool, const at::Tensor& cu_seq_q,
-                                           const at::Tensor& seqused_k, const at::Tensor& table,
-                                           int64_t max_q, int64_t max_k, bool causal,
-                                           double scale, int64_t splits) {
-  std::vector<int64_t> cu, used, pages;
-  const int64_t T = q.size(0), N = table.size(0), M = table.size(1);
-  const int64_t P = k_pool.size(0), page_size = k_pool.size(1);
-  if (!int_values(cu_seq_q, 1, cu) || !int_values(seqused_k, 1, used) ||
-      !int_values(table, 2, pages) || static_cast<int64_t>(cu.size()) != N + 1 ||
-      static_cast<int64_t>(used.size()) != N || N == 0 || T == 0 || page_size == 0 ||
-      cu[0] != 0 || cu[N] != T)
-    return {};
-  at::Tensor rows = at::empty({T, 4}, table.options().dtype(at::kLong));
-  int64_t* row = rows.data_ptr<int64_t>();
-  for (int64_t i = 0; i < N; ++i) {
-    const int64_t lk = used[i], held = lk > 0 ? (lk + page_size - 1) / page_size : 0;
-    if (!plain_rows(i, cu[i + 1] - cu[i], lk, max_q, max_k, causal, row) || held > M) return {};
-    for (int64_t j = 0; j < held; ++j)
-      if (pages[i * M + j] < 0 || pages[i * M + j] >= P) return {};
-  }
-  const at::Tensor table64 = table.scalar_type() == at::kLong ? table : table.to(at::kLong);
-  const Pages source{table64.const_data_ptr<int64_t>(), M, page_size};
-  const auto tokens = [](const at::Tensor& x) { return x.flatten(0, 1); };
-  const at::Tensor no_slopes = at::empty({0}, q.options().dtype(at::kFloat));
-  return tokens_call(q, tokens(k_pool), tokens(v_pool), source, rows, scale, 0.0, no_slopes, splits);
-}
-
-std::vector<at::Tensor> plain_packed_decode(const at::Tensor& q, const at::Tensor& k,
-                                            const at::Tensor& v, const at::Tensor& cu_seq_q,
-                                            const at::Tensor& cu_seq_k, int64_t max_q,
-                                            int64_t max_k, int64_t queries, bool causal,
-                                            double scale, int64_t splits) {
-  std::vector<int64_t> cq, ck;
-  const int64_t T = q.size(0), N = static_cast<int64_t>(cu_seq_q.numel()) - 1;
-  if (!int_values(cu_seq_q, 1, cq) || !int_values(cu_seq_k, 1, ck) || N < 1 ||
-      static_cast<int64_t>(ck.size()) != N + 1 || T == 0 || cq[0] != 0 || ck[0] != 0 ||
-      cq[N] != T || ck[N] != k.size(0))
-    return {};
-  at::Tensor rows = at::empty({T, 4}, cu_seq_q.options().dtype(at::kLong));
-  at::Tensor start = at::empty({N}, cu_seq_q.options().dtype(at::kLong));
-  int64_t* row = rows.data_ptr<int64_t>();
-  for (int64_t i = 0; i < N; ++i) {
-    const int64_t lq = cq[i + 1] - cq[i];
-    if (lq >= queries || !plain_rows(i, lq, ck[i + 1] - ck[i], max_q, max_k, causal, row))
-      return {};
-    start.data_ptr<int64_t>()[i] = ck[i];
-  }
-  const at::Tensor no_slopes = at::empty({0}, q.options().dtype(at::kFloat));
-  return tokens_call(q.contiguous(), k, v, Packed{start.const_data_ptr<int64_t>()}, rows, scale,
-                     0.0, no_slopes, splits);
-}
-
 // A decoding step's new keys and values written into a paged pool (qkv.PagedKVCache's step of
 // attention_with_cache, whose Python has taken the pages): k (N, Hkv, L, D) and v (N, Hkv, L,
 // Dv) with contiguous rows, pools (P, page_size, Hkv, D / Dv) contiguous, all of one dtype; token
@@ -286,6 +196,92 @@ std::vector<at::Tensor> packed_decode(const at::Tensor& q, const at::Tensor& k, 
               "start (N,): int64");
   const Packed packed{start.const_data_ptr<int64_t>()};
   return tokens_call(q, k, v, packed, rows, scale, softcap, slopes, splits);
+}
+
+// A 1-D or 2-D int32/int64 tensor's values, or nothing where it is not one (or not contiguous).
+inline bool int_values(const at::Tensor& x, int64_t dims, std::vector<int64_t>& out) {
+  if (x.dim() != dims || !x.is_contiguous() || x.device().type() != at::kCPU) return false;
+  out.resize(x.numel());
+  if (x.scalar_type() == at::kLong) {
+    std::copy_n(x.const_data_ptr<int64_t>(), x.numel(), out.begin());
+  } else if (x.scalar_type() == at::kInt) {
+    std::copy_n(x.const_data_ptr<int32_t>(), x.numel(), out.begin());
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// Sequence i's query token rows (sequence, lo, hi, position) as sequences.py's rows gives them,
+// causal bottom-right or no rule, written from row on: lq query tokens against lk keys. False
+// where the whole path would reject the lengths.
+inline bool plain_rows(int64_t i, int64_t lq, int64_t lk, int64_t max_q, int64_t max_k,
+                       bool causal, int64_t*& row) {
+  if (lq < 0 || lq > max_q || lk < 0 || lk > max_k) return false;
+  for (int64_t j = 0; j < lq; ++j, row += 4) {
+    const int64_t p = lk - lq + j;  // the token's position among its sequence's keys
+    row[0] = i, row[1] = 0, row[2] = causal ? std::clamp(p + 1, int64_t{0}, lk) : lk, row[3] = p;
+  }
+  return true;
+}
+
+// Plain decoding calls of qkv.varlen_attn (its lengths, max_q, max_k, causal and scale, nothing
+// more; backends/flash/varlen.py's plain has checked the tensors' kinds and shapes): every check
+// the whole path makes of cu_seq_q (N + 1,), seqused_k (N,) and the block table (N, M) of a
+// paged call, or of cu_seq_q and cu_seq_k of a packed one, made here as a test, and each query
+// token's row built; then they are paged_decode and packed_decode. They return (out, lse), or
+// nothing where a check fails (or a packed sequence has `queries` query tokens or more, which the
+// whole path runs on the block kernel): the caller then takes the whole path, which names the
+// error. (A decoding step comes once per layer per token; here its checks cost no tensor
+// operations.)
+std::vector<at::Tensor> plain_paged_decode(const at::Tensor& q, const at::Tensor& k_pool,
+                                           const at::Tensor& v_pool, const at::Tensor& cu_seq_q,
+                                           const at::Tensor& seqused_k, const at::Tensor& table,
+                                           int64_t max_q, int64_t max_k, bool causal,
+                                           double scale, int64_t splits) {
+  std::vector<int64_t> cu, used, pages;
+  const int64_t T = q.size(0), N = table.size(0), M = table.size(1);
+  const int64_t P = k_pool.size(0), page_size = k_pool.size(1);
+  if (!int_values(cu_seq_q, 1, cu) || !int_values(seqused_k, 1, used) ||
+      !int_values(table, 2, pages) || static_cast<int64_t>(cu.size()) != N + 1 ||
+      static_cast<int64_t>(used.size()) != N || N == 0 || T == 0 || page_size == 0 ||
+      cu[0] != 0 || cu[N] != T)
+    return {};
+  at::Tensor rows = at::empty({T, 4}, table.options().dtype(at::kLong));
+  int64_t* row = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t lk = used[i], held = (lk + page_size - 1) / page_size;
+    if (!plain_rows(i, cu[i + 1] - cu[i], lk, max_q, max_k, causal, row) || held > M) return {};
+    for (int64_t j = 0; j < held; ++j)
+      if (pages[i * M + j] < 0 || pages[i * M + j] >= P) return {};
+  }
+  const at::Tensor table64 = table.scalar_type() == at::kLong ? table : table.to(at::kLong);
+  const at::Tensor no_slopes = at::empty({0}, q.options().dtype(at::kFloat));
+  return paged_decode(q, k_pool, v_pool, table64, rows, scale, 0.0, no_slopes, splits);
+}
+
+std::vector<at::Tensor> plain_packed_decode(const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v, const at::Tensor& cu_seq_q,
+                                            const at::Tensor& cu_seq_k, int64_t max_q,
+                                            int64_t max_k, int64_t queries, bool causal,
+                                            double scale, int64_t splits) {
+  std::vector<int64_t> cq, ck;
+  const int64_t T = q.size(0), N = static_cast<int64_t>(cu_seq_q.numel()) - 1;
+  if (!int_values(cu_seq_q, 1, cq) || !int_values(cu_seq_k, 1, ck) || N < 1 ||
+      static_cast<int64_t>(ck.size()) != N + 1 || T == 0 || cq[0] != 0 || ck[0] != 0 ||
+      cq[N] != T || ck[N] != k.size(0))
+    return {};
+  at::Tensor rows = at::empty({T, 4}, cu_seq_q.options().dtype(at::kLong));
+  at::Tensor start = at::empty({N}, cu_seq_q.options().dtype(at::kLong));
+  int64_t* row = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t lq = cq[i + 1] - cq[i];
+    if (lq >= queries || !plain_rows(i, lq, ck[i + 1] - ck[i], max_q, max_k, causal, row))
+      return {};
+    start.data_ptr<int64_t>()[i] = ck[i];
+  }
+  const at::Tensor no_slopes = at::empty({0}, q.options().dtype(at::kFloat));
+  return packed_decode(q.contiguous(), k, v, start, rows, scale, 0.0, no_slopes, splits);
 }
 
 }  // namespace
