@@ -15,7 +15,8 @@
 // scores take AVX512-BF16's pair dot products where the build has them: decode_products.h). A
 // pass's scores take a block of query rows × keys at a time and sum their dot products across
 // lanes together (lane_sums); while a pass's scores are computed the next pass's key rows are
-// asked for from memory, while its values are summed the next pass's value rows.
+// asked for from memory (and its value rows, where an item's one key/value head serves several
+// query rows), else while its values are summed the next pass's value rows.
 //
 // A Layout gives the core a call's sizes and where things lie: Hq, Hkv, D, Dv, kv_limit (the most
 // key/value heads one item may take), c (the exponent scale), scored (score rules); per query
@@ -238,8 +239,8 @@ void score_block_rows(const QueryOf<T>* q, int64_t per_kv, int64_t heads, int64_
 // kBlockKeys<RB> at a time (a block past the pass's last key repeats that key; its scores land in
 // columns past the keys, which the softmax never reads), each block of keys for every head before
 // the next block, so that heads lying side by side (a page's token) are read together. The key
-// rows of the next pass, `ahead`, are asked for as the first row block goes, so memory streams
-// while this pass computes.
+// rows of the next pass, `ahead` (and its value rows where `values` says), are asked for as the
+// first row block goes, so memory streams while this pass computes.
 template <typename T>
 void pass_scores(const QueryOf<T>* q, int64_t per_kv, int64_t heads, int64_t D,
                  const PassRows<T>& now, int64_t offset, int64_t k_head, float* s, int64_t stride,
@@ -256,17 +257,17 @@ void pass_scores(const QueryOf<T>* q, int64_t per_kv, int64_t heads, int64_t D,
 // One pass's keys for every row of the item: the scores of all its keys (each key row read once
 // for the rows of its key/value head; meanwhile the next pass's key rows are asked for), then
 // block by block of kChunk keys the weights and Σ p v (meanwhile the next pass's value rows of the
-// same place are asked for), so that memory streams while this pass computes.
+// same place are asked for, unless the scores asked for them), so that memory streams while this
+// pass computes.
 template <typename T, typename L>
 void run_pass(const L& lay, const Item& item, Rows& w, const PassRows<T>& now,
               const PassRows<T>& next) {
   const int64_t g = lay.Hq / lay.Hkv, per_kv = item.per_kv(g), heads = item.heads();
   const int64_t R = item.rows(g), span = item.span;
-  // Where the query rows of an item's one key/value head share it, its scores are the longer part
-  // of a pass, and the next pass's value rows are asked for with its key rows; else while the
-  // values are summed. (In-process A/B, Intel Xeon, 2 threads, from memory, asked with the keys:
-  // grouped-query 1–8 % faster natively, 2–13 % on AVX2; multi-head 0–5 % slower; a paged item
-  // of 8 heads, whose passes read eight heads' rows, 1–14 % slower.)
+  // Query rows sharing an item's one key/value head make its scores the longer part of a pass:
+  // the next pass's value rows are asked for with its keys. (In-process A/B, Intel Xeon, 2 threads,
+  // from memory: grouped-query 1–8 % faster natively, 2–13 % on AVX2; multi-head 0–5 % slower, a
+  // paged item of 8 heads 1–14 % slower asked early.)
   const bool early = per_kv > 1 && heads == 1;
   const ValuesAhead values{item.kv0 * lay.v_head, lay.v_head, early ? lay.Dv : 0};
   pass_scores<T>(queries<T>(w), per_kv, heads, lay.D, now, item.kv0 * lay.k_head, lay.k_head,
