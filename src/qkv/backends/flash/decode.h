@@ -198,7 +198,8 @@ struct ValuesAhead { int64_t offset = 0, head = 0, Dv = 0; };
 
 // Rows r0 … r0 + RB − 1 of each key/value head's query rows against a pass's keys, for
 // pass_scores (which says how). One row of an item with one key/value head (a lone row of a
-// contiguous cache) takes a loop of its own, free of the heads' address arithmetic.
+// contiguous cache) takes a loop of its own, free of the heads' address arithmetic (and of
+// `values`: a lone row's value rows are asked for while its values are summed).
 template <typename T, int RB>
 void score_block_rows(const QueryOf<T>* q, int64_t per_kv, int64_t heads, int64_t D,
                       const PassRows<T>& now, int64_t offset, int64_t k_head, float* s,
@@ -211,10 +212,8 @@ void score_block_rows(const QueryOf<T>* q, int64_t per_kv, int64_t heads, int64_
     const QueryOf<T>* qr = q + r0 * D;
     float* sr = s + r0 * stride;
     for (int64_t i = 0; i < n; i += KB) {
-      for (int64_t y = i; y < std::min<int64_t>(i + KB, ahead_n); ++y) {
+      for (int64_t y = i; y < std::min<int64_t>(i + KB, ahead_n); ++y)
         prefetch(ahead.k[y] + offset, D);
-        if (values.Dv > 0) prefetch(ahead.v[y] + values.offset, values.Dv);
-      }
       for (int k = 0; k < KB; ++k) keys[k] = now.k[std::min<int64_t>(i + k, last)] + offset;
       block_scores<T, RB>(qr, keys.data(), D, sr + i, stride);
     }
