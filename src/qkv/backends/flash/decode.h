@@ -275,9 +275,9 @@ void run_pass(const L& lay, const Item& item, Rows& w, const PassRows<T>& now,
     const int64_t n = std::min(kChunk, now.n - b0);
     for (int64_t r = 0; r < R; ++r)
       softmax_step(lay, w, r, w.s.data() + r * span + b0, now.c0 + b0, n);
-    // Σ p v a few keys at a time for every head before the next few, so that heads lying side by
-    // side (a page's token) are read together; each row still adds its keys in order.
-    const int64_t step = heads > 1 || short_value_steps<T>(lay.Dv, per_kv) ? kValueKeys : n;
+    // Σ p v for every head in turn, the block's keys at once or (short_value_steps) a few at a
+    // time for every head before the next few; each row adds its keys in order either way.
+    const int64_t step = short_value_steps<T>(lay.Dv, per_kv, heads) ? kValueKeys : n;
     for (int64_t j0 = b0; j0 < b0 + n; j0 += step) {
       const int64_t m = std::min(step, b0 + n - j0);
       const int64_t ahead = early ? 0 : std::clamp(next.n - j0, int64_t{0}, m);

@@ -163,16 +163,22 @@ inline void with_count(int64_t count, F&& f) {
 constexpr int kValueVecs = kLanes >= 16 ? 4 : 2;
 constexpr int kRowVecs = kLanes >= 16 ? 8 : static_cast<int>(64 / kLanes);
 
-// Whether Σ p v of `rows` query rows per key/value head should take a block's keys a few at a
-// time: where float32 value rows are summed in more than one piece of four rows, each piece reads
-// the block's value rows again, and a block of them larger than 4 KiB (Dv above 32), with the
-// next pass's rows coming in, no longer stays in the L1 cache. In-process A/B, grouped-query,
-// steps of 8 keys: AVX2 D 128 28–33 % faster, D 64 8–13 %; AVX-512 D 128 (two pieces) 4–11 %;
-// AVX2 D 32 (two pieces, 4 KiB) 9–15 % slower. bfloat16 rows are half the bytes, and their
-// widening makes the shorter steps' extra accumulator loads cost more than they save.
+// Whether Σ p v of `rows` query rows per key/value head (of `heads` in the item) should take a
+// block's keys a few at a time: where a value row is summed in more than one piece, each piece
+// reads the block's value rows again. For float32 value rows in pieces of four rows, a block of
+// them larger than 4 KiB (Dv above 32), with the next pass's rows coming in, no longer stays in
+// the L1 cache (in-process A/B, grouped-query, steps of 8 keys: AVX2 D 128 28–33 % faster, D 64
+// 8–13 %; AVX-512 D 128 (two pieces) 4–11 %; AVX2 D 32 (two pieces, 4 KiB) 9–15 % slower;
+// bfloat16 rows are half the bytes, and their widening makes the shorter steps' extra
+// accumulator loads cost more than they save). An item of several heads (a page's tokens) holds
+// every head's block of value rows: any row summed in pieces takes short steps; a row summed
+// whole, the block's keys at once (in-process A/B, Intel Xeon, 2 threads, paged: AVX-512 D 64
+// 2–6 % faster; AVX2 multi-head D 128, two pieces a row, 4 % slower at once).
 template <typename T>
-constexpr bool short_value_steps(int64_t Dv, int64_t rows) {
-  return std::is_same_v<T, float> && rows >= 4 && Dv > kValueVecs * kLanes && Dv > 32;
+constexpr bool short_value_steps(int64_t Dv, int64_t rows, int64_t heads) {
+  const int64_t piece = (rows >= 4 ? kValueVecs : kRowVecs) * kLanes;
+  if (heads > 1) return Dv > piece;
+  return std::is_same_v<T, float> && rows >= 4 && Dv > piece && Dv > 32;
 }
 
 // acc (rows × Dv) += p (rows × n, rows p_stride apart) · V, value row j at v[j] + offset: rows four
