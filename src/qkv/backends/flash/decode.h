@@ -14,9 +14,9 @@
 // same arithmetic. float32 throughout: bfloat16 inputs are widened as they are read (bfloat16
 // scores take AVX512-BF16's pair dot products where the build has them: decode_products.h). A
 // pass's scores take a block of query rows × keys at a time and sum their dot products across
-// lanes together (lane_sums); while a pass's scores are computed the next pass's key rows are
-// asked for from memory (and its value rows, where an item's one key/value head serves several
-// query rows), else while its values are summed the next pass's value rows.
+// lanes together (lane_sums), meanwhile asking memory for the key rows a pass (or kAheadBytes)
+// ahead (and their value rows where one key/value head serves several query rows; else while the
+// values are summed).
 //
 // A Layout gives the core a call's sizes and where things lie: Hq, Hkv, D, Dv, kv_limit (the most
 // key/value heads one item may take), c (the exponent scale), scored (score rules); per query
@@ -60,20 +60,19 @@ constexpr int64_t kSplitKeys = 1024;  // the fewest keys a split gets where spli
 // Splits are chosen so that a call has at least kSplitItems work items: a number of the call's
 // sizes alone, never of the thread count, so one thread and many give the same bits.
 constexpr int64_t kSplitItems = 32;
-// Calls that read at most this many bytes of keys and values do not ask for the next pass's
-// rows ahead: such a cache is likely still in the CPU's caches from its last step, where the
-// requests cost more instructions than they save (a number of the call, never of the CPU).
+// Calls that read at most this many bytes of keys and values do not ask for rows ahead: such a
+// cache is likely still in the CPU's caches from its last step, where the requests cost more
+// instructions than they save (a number of the call, never of the CPU).
 constexpr int64_t kStreamBytes = int64_t{4} << 20;
 // The fewest bytes of keys and values a thread is woken for.
 constexpr int64_t kThreadBytes = int64_t{256} << 10;
+// An item asks for rows about this many bytes of key rows (all its heads) ahead, at most a pass
+// (in-process A/B, Intel Xeon, 2 threads, paged, 8 heads, D 128: a pass ahead 4–12 % slower).
+constexpr int64_t kAheadBytes = int64_t{32} << 10;
 
 // A run of keys that lie at the layout's strides: key/value head 0 of its first key, and how many.
 template <typename T>
-struct KeyRun {
-  const T* k;
-  const T* v;
-  int64_t n;
-};
+struct KeyRun { const T *k, *v; int64_t n; };
 
 // One work item: query tokens [t0, t1) of sequence s, key/value heads [kv0, kv1), keys [a, b),
 // read `span` keys a pass.
@@ -192,8 +191,8 @@ void locate(const L& lay, int64_t s, int64_t c0, int64_t c1, PassRows<T>& rows) 
   }
 }
 
-// The next pass's value rows that a pass's scores ask for with its key rows (Dv 0: none): head kv0
-// + x's at ahead.v[i] + offset + x · head.
+// The value rows asked ahead that a pass's scores ask for with their key rows (Dv 0: none): head
+// kv0 + x's at ahead.v[i] + offset + x · head.
 struct ValuesAhead { int64_t offset = 0, head = 0, Dv = 0; };
 
 // Rows r0 … r0 + RB − 1 of each key/value head's query rows against a pass's keys, for
@@ -238,8 +237,8 @@ void score_block_rows(const QueryOf<T>* q, int64_t per_kv, int64_t heads, int64_
 // kBlockKeys<RB> at a time (a block past the pass's last key repeats that key; its scores land in
 // columns past the keys, which the softmax never reads), each block of keys for every head before
 // the next block, so that heads lying side by side (a page's token) are read together. The key
-// rows of the next pass, `ahead` (and its value rows where `values` says), are asked for as the
-// first row block goes, so memory streams while this pass computes.
+// rows `ahead` (and their value rows where `values` says) are asked for as the first row block
+// goes, so memory streams while this pass computes.
 template <typename T>
 void pass_scores(const QueryOf<T>* q, int64_t per_kv, int64_t heads, int64_t D,
                  const PassRows<T>& now, int64_t offset, int64_t k_head, float* s, int64_t stride,
@@ -254,23 +253,22 @@ void pass_scores(const QueryOf<T>* q, int64_t per_kv, int64_t heads, int64_t D,
 }
 
 // One pass's keys for every row of the item: the scores of all its keys (each key row read once
-// for the rows of its key/value head; meanwhile the next pass's key rows are asked for), then
-// block by block of kChunk keys the weights and Σ p v (meanwhile the next pass's value rows of the
-// same place are asked for, unless the scores asked for them), so that memory streams while this
-// pass computes.
+// for the rows of its key/value head; meanwhile the key rows `ahead` are asked for), then block by
+// block of kChunk keys the weights and Σ p v (meanwhile the value rows `ahead` of the same place,
+// unless the scores asked for them), so that memory streams while this pass computes.
 template <typename T, typename L>
 void run_pass(const L& lay, const Item& item, Rows& w, const PassRows<T>& now,
-              const PassRows<T>& next) {
+              const PassRows<T>& ahead) {
   const int64_t g = lay.Hq / lay.Hkv, per_kv = item.per_kv(g), heads = item.heads();
   const int64_t R = item.rows(g), span = item.span;
   // Query rows sharing an item's one key/value head make its scores the longer part of a pass:
-  // the next pass's value rows are asked for with its keys. (In-process A/B, Intel Xeon, 2 threads,
-  // from memory: grouped-query 1–8 % faster natively, 2–13 % on AVX2; multi-head 0–5 % slower, a
-  // paged item of 8 heads 1–14 % slower asked early.)
+  // value rows are asked for with their keys (in-process A/B, Intel Xeon, 2 threads, from memory:
+  // grouped-query 1–8 % faster natively, 2–13 % on AVX2; multi-head 0–5 %, paged 8 heads 1–14 %
+  // slower).
   const bool early = per_kv > 1 && heads == 1;
   const ValuesAhead values{item.kv0 * lay.v_head, lay.v_head, early ? lay.Dv : 0};
   pass_scores<T>(queries<T>(w), per_kv, heads, lay.D, now, item.kv0 * lay.k_head, lay.k_head,
-                 w.s.data(), span, next, values);
+                 w.s.data(), span, ahead, values);
   for (int64_t b0 = 0; b0 < now.n; b0 += kChunk) {  // now.c0 is a multiple of kChunk
     const int64_t n = std::min(kChunk, now.n - b0);
     for (int64_t r = 0; r < R; ++r)
@@ -280,32 +278,35 @@ void run_pass(const L& lay, const Item& item, Rows& w, const PassRows<T>& now,
     const int64_t step = short_value_steps<T>(lay.Dv, per_kv, heads) ? kValueKeys : n;
     for (int64_t j0 = b0; j0 < b0 + n; j0 += step) {
       const int64_t m = std::min(step, b0 + n - j0);
-      const int64_t ahead = early ? 0 : std::clamp(next.n - j0, int64_t{0}, m);
+      const int64_t asked = early ? 0 : std::clamp(ahead.n - j0, int64_t{0}, m);
       for (int64_t kv = item.kv0; kv < item.kv1; ++kv) {
         const int64_t row = (kv - item.kv0) * per_kv;
         add_values(w.acc.data() + row * lay.Dv, w.s.data() + row * span + j0, span, per_kv,
                    now.v.data() + j0, kv * lay.v_head, m, lay.Dv,
-                   Ahead<T>{next.v.data() + j0, ahead, kv * lay.v_head, lay.Dv});
+                   Ahead<T>{ahead.v.data() + j0, asked, kv * lay.v_head, lay.Dv});
       }
     }
   }
 }
 
 // The item's rows over its keys, pass by pass (passes end at multiples of the item's span). With
-// `stream`, each pass asks for the next one's rows from memory while it computes.
+// `stream`, each pass asks memory for its keys' rows `ahead` keys on (kAheadBytes, at most a pass).
 template <typename T, typename L>
 void run_item(const L& lay, const Item& item, Rows& w, bool stream) {
   gather_rows<T>(lay, item, w);
-  const int64_t span = item.span;
+  const int64_t span = item.span, row = item.heads() * lay.D * static_cast<int64_t>(sizeof(T));
+  const int64_t ahead = std::clamp(kAheadBytes / row, int64_t{1}, span);
   const auto end = [&](int64_t c0) { return std::min(item.b, (c0 / span + 1) * span); };
-  PassRows<T> passes[2];
+  PassRows<T> passes[3];
   static const PassRows<T> none{};
-  PassRows<T>*now = &passes[0], *next = &passes[1];
+  PassRows<T>*now = &passes[0], *next = &passes[1], *asked = &passes[2];
   locate(lay, item.s, item.a, end(item.a), *now);
   while (now->n > 0) {
     const int64_t c1 = now->c0 + now->n;
     locate(lay, item.s, c1, c1 < item.b ? end(c1) : c1, *next);
-    run_pass<T>(lay, item, w, *now, stream ? *next : none);
+    if (stream && ahead < span)
+      locate(lay, item.s, std::min(now->c0 + ahead, item.b), std::min(c1 + ahead, item.b), *asked);
+    run_pass<T>(lay, item, w, *now, !stream ? none : ahead < span ? *asked : *next);
     std::swap(now, next);
   }
 }
@@ -383,10 +384,10 @@ std::vector<Item> plan_items(const L& lay, int64_t& splits) {
 }
 
 // The keys a pass of `item` reads: kChunk where its query rows share a key/value head (their
-// products fill the work between two reads) or where the call streams (the next pass is asked for
-// ahead: short passes keep its rows near); one row per key/value head in a call the caches hold
-// reads longer runs, up to kPassBytes of K and V (at most kLoneSpan keys), which spreads each
-// pass's bookkeeping over more keys. element: the bytes of one K or V value.
+// products fill the work between two reads) or where the call streams (short passes keep the rows
+// asked ahead near); one row per key/value head in a call the caches hold reads longer runs, up
+// to kPassBytes of K and V (at most kLoneSpan keys), which spreads each pass's bookkeeping over
+// more keys. element: the bytes of one K or V value.
 template <typename L>
 int64_t pass_span(const L& lay, const Item& item, int64_t element, bool stream) {
   if (stream || item.per_kv(lay.Hq / lay.Hkv) > 1) return kChunk;
