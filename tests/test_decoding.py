@@ -127,9 +127,9 @@ def test_varlen_paged_and_packed_split_and_unsplit_match_the_oracle(
 
 
 def test_a_call_large_enough_to_stream_gives_the_bits_of_smaller_calls() -> None:
-    """A call reading more than 4 MiB of keys and values asks for each next pass's rows ahead
-    (decode.h's kStreamBytes); one head at a time reads less and does not. The arithmetic is the
-    same: the outputs are equal, and equal the oracle."""
+    """A call reading more than 4 MiB of keys and values asks for rows ahead (decode.h's
+    kStreamBytes); one head at a time reads less and does not. The arithmetic is the same: the
+    outputs are equal, and equal the oracle."""
     q = torch.randn(1, 8, 1, 64)
     k, v = torch.randn(1, 8, 2100, 64), torch.randn(1, 8, 2100, 64)  # 8.6 MB together
     whole = qkv.attention(q, k, v, backend="flash")
@@ -137,6 +137,28 @@ def test_a_call_large_enough_to_stream_gives_the_bits_of_smaller_calls() -> None
         part = qkv.attention(q[:, h : h + 1], k[:, h : h + 1], v[:, h : h + 1], backend="flash")
         assert torch.equal(part[0, 0], whole[0, h])
     _close(whole, oracle(q, k, v)[0], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_streaming_paged_call_asking_closer_than_a_pass_gives_the_contiguous_bits(
+    dtype: torch.dtype,
+) -> None:
+    """A paged item holds all 8 key/value heads of a page's tokens: at D 128 it asks for the rows
+    of keys less than a pass ahead (decode.h's kAheadBytes), the contiguous cache's items a pass
+    ahead. Prefetching only: the same bits, and the oracle's output."""
+    b = batch([1, 1], [1100, 1037], hq=32, hkv=8, d=128, dv=128, dtype=dtype)  # 17.5 MB in float32
+    cache, seqs = paged_copy(b, page_size=16, pages=140)
+    paged = qkv.varlen_attn(
+        b.query, cache.keys, cache.values, b.cu_seq_q, None, *b.bounds, enable_gqa=True,
+        seqused_k=cache.lengths(seqs), block_table=cache.block_table(seqs), causal=True,
+    )  # fmt: skip
+    assert isinstance(paged, torch.Tensor)
+    _close(paged, varlen_oracle(b, right=0)[0], dtype)
+    for i, (k0, k1) in enumerate([(0, 1100), (1100, 2137)]):
+        q = b.query[i : i + 1].transpose(0, 1)[None]  # (1, H_q, 1, D)
+        k, v = (x[k0:k1].transpose(0, 1)[None] for x in (b.key, b.value))
+        out = qkv.attention(q, k, v, causal=True, backend="flash")
+        assert torch.equal(out[0, :, 0], paged[i])
 
 
 # query heads sharing a key/value head, and one per key/value head (a lone row: the contiguous

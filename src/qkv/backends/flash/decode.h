@@ -295,7 +295,7 @@ template <typename T, typename L>
 void run_item(const L& lay, const Item& item, Rows& w, bool stream) {
   gather_rows<T>(lay, item, w);
   const int64_t span = item.span, row = item.heads() * lay.D * static_cast<int64_t>(sizeof(T));
-  const int64_t ahead = std::clamp(kAheadBytes / row, int64_t{1}, span);
+  const int64_t ahead = std::clamp(kAheadBytes / std::max<int64_t>(row, 1), int64_t{1}, span);
   const auto end = [&](int64_t c0) { return std::min(item.b, (c0 / span + 1) * span); };
   PassRows<T> passes[3];
   static const PassRows<T> none{};
