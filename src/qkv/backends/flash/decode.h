@@ -67,7 +67,7 @@ constexpr int64_t kStreamBytes = int64_t{4} << 20;
 // The fewest bytes of keys and values a thread is woken for.
 constexpr int64_t kThreadBytes = int64_t{256} << 10;
 // An item asks for rows about this many bytes of key rows (all its heads) ahead, at most a pass
-// (in-process A/B, Intel Xeon, 2 threads, paged, 8 heads, D 128: a pass ahead 4–12 % slower).
+// (in-process A/B, Intel Xeon, 2 threads, paged, 8 heads, D 128: a pass ahead 3–9 % slower).
 constexpr int64_t kAheadBytes = int64_t{32} << 10;
 
 // A run of keys that lie at the layout's strides: key/value head 0 of its first key, and how many.
