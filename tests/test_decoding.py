@@ -8,6 +8,7 @@ unsplit; both match the float64 oracle, for lengths that are no multiple of a pa
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -88,13 +89,15 @@ ORACLE_RULES: list[dict[str, Any]] = [
 ]
 
 
-def _varlen(b: Any, paged: bool, rules: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def _varlen(
+    b: Any, paged: bool, rules: dict[str, Any], pages: int = 64
+) -> tuple[torch.Tensor, torch.Tensor]:
     bounds = b.bounds
     if not paged:
         args = (b.query, b.key, b.value, b.cu_seq_q, b.cu_seq_k, *bounds)
         out, lse = qkv.varlen_attn(*args, enable_gqa=True, return_aux=AuxRequest(lse=True), **rules)
         return out, lse
-    cache, seqs = paged_copy(b, page_size=16, pages=64)
+    cache, seqs = paged_copy(b, page_size=16, pages=pages)
     out, lse = qkv.varlen_attn(
         b.query, cache.keys, cache.values, b.cu_seq_q, None, *bounds, enable_gqa=True,
         seqused_k=cache.lengths(seqs), block_table=cache.block_table(seqs),
@@ -147,14 +150,16 @@ def test_a_streaming_paged_call_asking_closer_than_a_pass_gives_the_contiguous_b
     of keys less than a pass ahead (decode.h's kAheadBytes), the contiguous cache's items a pass
     ahead. Prefetching only: the same bits, and the oracle's output."""
     b = batch([1, 1], [1100, 1037], hq=32, hkv=8, d=128, dv=128, dtype=dtype)  # 17.5 MB in float32
-    cache, seqs = paged_copy(b, page_size=16, pages=140)
-    paged = qkv.varlen_attn(
-        b.query, cache.keys, cache.values, b.cu_seq_q, None, *b.bounds, enable_gqa=True,
-        seqused_k=cache.lengths(seqs), block_table=cache.block_table(seqs), causal=True,
-    )  # fmt: skip
-    assert isinstance(paged, torch.Tensor)
+    paged, _ = _varlen(b, True, {"causal": True}, pages=140)
     _close(paged, varlen_oracle(b, right=0)[0], dtype)
-    for i, (k0, k1) in enumerate([(0, 1100), (1100, 2137)]):
+    _assert_each_sequence_gives_the_contiguous_bits(b, paged)
+
+
+def _assert_each_sequence_gives_the_contiguous_bits(b: Any, paged: torch.Tensor) -> None:
+    """paged (one decoding token per sequence of b) equals qkv.attention on each sequence's keys
+    as one contiguous cache, bit for bit."""
+    bounds = b.cu_seq_k.tolist()
+    for i, (k0, k1) in enumerate(itertools.pairwise(bounds)):
         q = b.query[i : i + 1].transpose(0, 1)[None]  # (1, H_q, 1, D)
         k, v = (x[k0:k1].transpose(0, 1)[None] for x in (b.key, b.value))
         out = qkv.attention(q, k, v, causal=True, backend="flash")
@@ -174,11 +179,7 @@ def test_paged_equals_attention_bit_for_bit(
     b = batch([1, 1], [77, 603], hq=heads[0], hkv=heads[1], d=64, dv=64)
     paged, _ = _varlen(b, True, {"causal": True})
     _close(paged, varlen_oracle(b, right=0)[0], torch.float32)
-    for i, (k0, k1) in enumerate([(0, 77), (77, 680)]):
-        q = b.query[i : i + 1].transpose(0, 1)[None]  # (1, H_q, 1, D)
-        k, v = (x[k0:k1].transpose(0, 1)[None] for x in (b.key, b.value))
-        out = qkv.attention(q, k, v, causal=True, backend="flash")
-        assert torch.equal(out[0, :, 0], paged[i])
+    _assert_each_sequence_gives_the_contiguous_bits(b, paged)
 
 
 def test_many_decoding_sequences_read_packed_keys_in_place(
