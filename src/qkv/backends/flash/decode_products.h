@@ -287,6 +287,40 @@ template <size_t N, int Round = 0>
   }
 }
 
+// s[r · stride + k] = lane r · KB + k of x, for r < RB, k < KB: each row's run of lanes stored
+// at once on x86 (a 128-bit lane, or half of one), not lane by lane through memory.
+template <int RB, int KB>
+[[gnu::always_inline]] inline void store_rows(const Vec& x, float* s, int64_t stride) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (KB == 4) {
+    const __m512 v = x;
+    _mm_storeu_ps(s, _mm512_castps512_ps128(v));
+    if constexpr (RB > 1) _mm_storeu_ps(s + stride, _mm512_extractf32x4_ps(v, 1));
+    if constexpr (RB > 2) _mm_storeu_ps(s + 2 * stride, _mm512_extractf32x4_ps(v, 2));
+    if constexpr (RB > 3) _mm_storeu_ps(s + 3 * stride, _mm512_extractf32x4_ps(v, 3));
+    return;
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 v = x;
+  const __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  if constexpr (KB == 4) {
+    _mm_storeu_ps(s, lo);
+    if constexpr (RB > 1) _mm_storeu_ps(s + stride, hi);
+    return;
+  } else if constexpr (KB == 2 && RB == 4) {
+    _mm_storel_pi(reinterpret_cast<__m64*>(s), lo);
+    _mm_storeh_pi(reinterpret_cast<__m64*>(s + stride), lo);
+    _mm_storel_pi(reinterpret_cast<__m64*>(s + 2 * stride), hi);
+    _mm_storeh_pi(reinterpret_cast<__m64*>(s + 3 * stride), hi);
+    return;
+  }
+#endif
+  float sums[kLanes];
+  x.store(sums);
+  for (int r = 0; r < RB; ++r)
+    for (int k = 0; k < KB; ++k) s[r * stride + k] = sums[r * KB + k];
+}
+
 // x held in a vector register: the compiler may not fold its load into each instruction that
 // uses it, so a query vector is loaded once for the block's keys, not once per key (GCC folds it
 // into every multiply-add, and the loads, not the multiply-adds, then bound the block: in-process
@@ -375,10 +409,7 @@ template <typename T, int RB, typename Q>
     for (; d + kLanes <= D; d += kLanes) step(d, kLanes);
     if (d < D) step(d, D - d);
   }
-  float sums[kLanes];
-  lane_sums<RB * KB>(a).store(sums);
-  for (int r = 0; r < RB; ++r)
-    for (int k = 0; k < KB; ++k) s[r * stride + k] = sums[r * KB + k];
+  store_rows<RB, KB>(lane_sums<RB * KB>(a), s, stride);
 }
 
 }  // namespace
