@@ -29,7 +29,8 @@ from qkv.backends.flash import kernel, loop
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 # (name, q shape, k shape, v shape, causal): more than one key block (512 keys) and lengths and
-# features that fill no whole vector, grouped heads, and the decoding path (fewer than 16 queries).
+# features that fill no whole vector, grouped heads, and the decoding path (fewer than 16 queries:
+# rows of a head four at a time and alone, features in pairs of vectors and a part of one).
 # The kernel packs keys for its products per query block where each key is read by at most 3
 # query blocks on average ("full", "causal", "causal top-left"), else once per call ("grouped":
 # each key read by 3 query heads × 2 blocks, and the two last).
@@ -39,6 +40,8 @@ CASES = [
     ("causal top-left", (2, 1, 200, 24), (2, 1, 333, 24), (2, 1, 333, 24), "top-left"),
     ("grouped", (2, 6, 150, 64), (2, 2, 260, 64), (2, 2, 260, 48), False),
     ("decoding", (1, 4, 3, 64), (1, 2, 530, 64), (1, 2, 530, 64), True),
+    ("decoding, a row per head", (1, 3, 1, 72), (1, 3, 400, 72), (1, 3, 400, 72), True),
+    ("decoding, four rows per head", (1, 8, 1, 36), (1, 2, 300, 36), (1, 2, 300, 36), True),
     ("keys read 18 times", (1, 2, 1100, 40), (1, 1, 600, 40), (1, 1, 600, 40), False),
     ("long causal", (1, 1, 1300, 32), (1, 1, 1300, 32), (1, 1, 1300, 24), True),
 ]

@@ -62,6 +62,32 @@ inline Vec load_float(const T* x, int64_t count) {
   }
 }
 
+// Two vectors of float32 values from 2 · kLanes values at x: for bfloat16 in AVX2 builds, one
+// 256-bit load whose two halves are widened by shuffles alone (its 64-bit quarters reordered, then
+// each value's 16 bits placed above 16 zero bits), leaving the shift that load_float's widening
+// takes to the ports that do the multiply-adds; elsewhere two load_float.
+template <typename T>
+[[gnu::always_inline]] inline std::pair<Vec, Vec> load_float_pair(const T* x) {
+#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    const __m256i y = _mm256_permute4x64_epi64(raw, 0xD8), zero = _mm256_setzero_si256();
+    return {Vec(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, y))),
+            Vec(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, y)))};
+  }
+#endif
+  return {load_float(x), load_float(x + kLanes)};
+}
+
+// Whether load_float_pair reads T with one load.
+template <typename T>
+constexpr bool kPairLoads =
+#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+    std::is_same_v<T, at::BFloat16>;
+#else
+    false;
+#endif
+
 // Asks for the cache lines of n values (of type T) from x, into the cache levels near the core.
 template <typename T>
 inline void prefetch(const T* x, int64_t n) {
@@ -97,9 +123,15 @@ inline void add_block(float* acc, int64_t acc_stride, const float* p, int64_t p_
     if (j < ahead.n) prefetch(ahead.v[j] + ahead.offset, ahead.Dv);
     const T* row = v[j] + offset + e0;
     std::array<Vec, VN> x;
-    [&]<size_t... C>(std::index_sequence<C...>) {
-      ((x[C] = full(C) ? load_float(row + C * kLanes) : load_float(row + C * kLanes, last)), ...);
-    }(std::make_index_sequence<VN>{});
+    if constexpr (kPairLoads<T> && VN % 2 == 0 && kFull) {
+      [&]<size_t... C>(std::index_sequence<C...>) {
+        ((std::tie(x[2 * C], x[2 * C + 1]) = load_float_pair(row + 2 * C * kLanes)), ...);
+      }(std::make_index_sequence<VN / 2>{});
+    } else {
+      [&]<size_t... C>(std::index_sequence<C...>) {
+        ((x[C] = full(C) ? load_float(row + C * kLanes) : load_float(row + C * kLanes, last)), ...);
+      }(std::make_index_sequence<VN>{});
+    }
     const std::array<Vec, 4> w{Vec(p[j]), Vec(p[p_stride + j]), Vec(p[2 * p_stride + j]),
                                Vec(p[3 * p_stride + j])};
     [&]<size_t... I>(std::index_sequence<I...>) {
@@ -136,7 +168,14 @@ inline void add_row(float* acc, const float* p, const T* const* v, int64_t offse
     if (j < ahead.n) prefetch(ahead.v[j] + ahead.offset, ahead.Dv);
     const T* row = v[j] + offset + e0;
     const Vec w(p[j]);
-    for (int c = 0; c < VN; ++c) {
+    int c = 0;
+    if constexpr (kPairLoads<T>) {
+      for (; c + 2 <= (kFull ? VN : VN - 1); c += 2) {  // two whole vectors
+        const auto [x, y] = load_float_pair(row + c * kLanes);
+        a[c] = at::vec::fmadd(w, x, a[c]), a[c + 1] = at::vec::fmadd(w, y, a[c + 1]);
+      }
+    }
+    for (; c < VN; ++c) {
       const Vec x = full(c) ? load_float(row + c * kLanes) : load_float(row + c * kLanes, last);
       a[c] = at::vec::fmadd(w, x, a[c]);
     }
@@ -405,7 +444,21 @@ template <typename T, int RB, typename Q>
         for (int k = 0; k < KB; ++k) a[r * KB + k] = at::vec::fmadd(x, key[k], a[r * KB + k]);
       }
     };
+    // Two steps at once where one load widens a key's two vectors and the registers hold them.
+    const auto steps = [&](int64_t d) {
+      Vec key[KB], next[KB];
+      for (int k = 0; k < KB; ++k) std::tie(key[k], next[k]) = load_float_pair(keys[k] + d);
+      for (int r = 0; r < RB; ++r) {
+        Vec x = Vec::loadu(q + r * D + d), y = Vec::loadu(q + r * D + d + kLanes);
+        in_register(x), in_register(y);
+        for (int k = 0; k < KB; ++k) a[r * KB + k] = at::vec::fmadd(x, key[k], a[r * KB + k]);
+        for (int k = 0; k < KB; ++k) a[r * KB + k] = at::vec::fmadd(y, next[k], a[r * KB + k]);
+      }
+    };
     int64_t d = 0;
+    if constexpr (kPairLoads<T> && RB * KB + 2 * KB < 15) {
+      for (; d + 2 * kLanes <= D; d += 2 * kLanes) steps(d);
+    }
     for (; d + kLanes <= D; d += kLanes) step(d, kLanes);
     if (d < D) step(d, D - d);
   }
