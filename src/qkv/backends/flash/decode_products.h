@@ -444,7 +444,8 @@ template <typename T, int RB, typename Q>
         for (int k = 0; k < KB; ++k) a[r * KB + k] = at::vec::fmadd(x, key[k], a[r * KB + k]);
       }
     };
-    // Two steps at once where one load widens a key's two vectors and the registers hold them.
+    // Two steps at once where one load widens a key's two vectors and AVX2's 16 registers hold
+    // them: the accumulators, two vectors a key, two query vectors.
     const auto steps = [&](int64_t d) {
       Vec key[KB], next[KB];
       for (int k = 0; k < KB; ++k) std::tie(key[k], next[k]) = load_float_pair(keys[k] + d);
@@ -456,7 +457,7 @@ template <typename T, int RB, typename Q>
       }
     };
     int64_t d = 0;
-    if constexpr (kPairLoads<T> && RB * KB + 2 * KB < 15) {
+    if constexpr (kPairLoads<T> && RB * KB + 2 * KB + 2 <= 16) {
       for (; d + 2 * kLanes <= D; d += 2 * kLanes) steps(d);
     }
     for (; d + kLanes <= D; d += kLanes) step(d, kLanes);
