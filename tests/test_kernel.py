@@ -153,6 +153,38 @@ def test_the_avx2_build_matches_float64(tmp_path: Path) -> None:
         assert_matches_float64(q, k, v, grad_out, rule, got)
 
 
+# Runs test_decoding.py in a fresh process built for QKV_FLASH_ISA, its build checked first.
+_RUN_DECODING_TESTS = """
+import sys, pytest
+from qkv.backends.flash import kernel
+assert kernel.build_info()["capability"] == sys.argv[1], kernel.build_info()
+sys.exit(pytest.main(["-q", "-o", "addopts=", "-p", "no:cacheprovider", sys.argv[2]]))
+"""
+
+
+@pytest.mark.skipif(
+    not {"avx2", "fma", "f16c"} <= kernel.cpu_flags() or not _can_build(),
+    reason="needs an x86 CPU with AVX2, a C++ compiler and the kernel switched on",
+)
+def test_the_avx2_build_passes_the_decoding_tests() -> None:
+    """The decoding core's tests (every path split and unsplit against the oracle, paged and
+    contiguous caches bit for bit) on the AVX2 build, whose Σ p v takes float32 grouped-query
+    rows its own way (decode_products.h's lone_rows)."""
+    tests = Path(__file__).resolve().parent
+    path = f"{SRC}{os.pathsep}{tests}"
+    environment = {**os.environ, "QKV_FLASH_ISA": "avx2", "PYTHONPATH": path}
+    run = subprocess.run(
+        [sys.executable, "-c", _RUN_DECODING_TESTS, "AVX2", str(tests / "test_decoding.py")],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tests.parent,
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert " passed" in run.stdout and " failed" not in run.stdout, run.stdout[-4000:]
+
+
 def assert_matches_float64(
     q: torch.Tensor,
     k: torch.Tensor,

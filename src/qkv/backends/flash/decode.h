@@ -282,7 +282,7 @@ void run_pass(const L& lay, const Item& item, Rows& w, const PassRows<T>& now,
       for (int64_t kv = item.kv0; kv < item.kv1; ++kv) {
         const int64_t row = (kv - item.kv0) * per_kv;
         add_values(w.acc.data() + row * lay.Dv, w.s.data() + row * span + j0, span, per_kv,
-                   now.v.data() + j0, kv * lay.v_head, m, lay.Dv,
+                   now.v.data() + j0, kv * lay.v_head, m, lay.Dv, heads,
                    Ahead<T>{ahead.v.data() + j0, asked, kv * lay.v_head, lay.Dv});
       }
     }

@@ -202,6 +202,24 @@ inline void with_count(int64_t count, F&& f) {
 constexpr int kValueVecs = kLanes >= 16 ? 4 : 2;
 constexpr int kRowVecs = kLanes >= 16 ? 8 : static_cast<int>(64 / kLanes);
 
+// Whether Σ p v takes each of the 4 to 8 query rows of an item's one key/value head on its own,
+// its whole value row summed at once (add_row), where four rows at a time (add_block) would sum
+// it in pieces of a cache line each, in short steps of keys: float32 value rows of 33 to 64
+// features in AVX2 builds (in-process A/B, Intel Xeon, D 64, the same bits: each row adds its keys
+// in the same order; grouped-query 4 rows in L2 (1 core) 7–12 % faster, from memory (2 threads)
+// 5–6 %, multi-head 4 or 8 tokens 2–4 %; alone, D 32 (two pieces) 22 % slower, bfloat16 (a row
+// widened once per query row) 12 %, AVX-512 D 128 14 %, 16 to 32 rows 0–2 %, paged items of 8
+// heads, whose blocks of value rows stay in L1 less, 5 %).
+template <typename T>
+constexpr bool lone_rows(int64_t Dv, int64_t rows, int64_t heads) {
+#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+  return std::is_same_v<T, float> && heads == 1 && rows <= 8 && Dv > 32 &&
+         Dv <= kRowVecs * kLanes;
+#else
+  return false;
+#endif
+}
+
 // Whether Σ p v of `rows` query rows per key/value head (of `heads` in the item) should take a
 // block's keys a few at a time: where a value row is summed in more than one piece, each piece
 // reads the block's value rows again. For float32 value rows in pieces of four rows, a block of
@@ -215,20 +233,21 @@ constexpr int kRowVecs = kLanes >= 16 ? 8 : static_cast<int>(64 / kLanes);
 // 2–6 % faster; AVX2 multi-head D 128, two pieces a row, 4 % slower at once).
 template <typename T>
 constexpr bool short_value_steps(int64_t Dv, int64_t rows, int64_t heads) {
-  const int64_t piece = (rows >= 4 ? kValueVecs : kRowVecs) * kLanes;
+  const bool blocks = rows >= 4 && !lone_rows<T>(Dv, rows, heads);  // (four rows at a time)
+  const int64_t piece = (blocks ? kValueVecs : kRowVecs) * kLanes;
   if (heads > 1) return Dv > piece;
   return std::is_same_v<T, float> && rows >= 4 && Dv > piece && Dv > 32;
 }
 
 // acc (rows × Dv) += p (rows × n, rows p_stride apart) · V, value row j at v[j] + offset: rows four
-// at a time, Dv in pieces of kValueVecs whole vectors (then of two), then whole vectors, then a
-// partial one; then the rows left one at a time, Dv in pieces of up to kRowVecs (the last
-// partial).
+// at a time (none where lone_rows, the item having `heads` key/value heads), Dv in pieces of
+// kValueVecs whole vectors (then of two), then whole vectors, then a partial one; then the rows
+// left one at a time, Dv in pieces of up to kRowVecs (the last partial).
 template <typename T>
 void add_values(float* acc, const float* p, int64_t p_stride, int64_t rows, const T* const* v,
-                int64_t offset, int64_t n, int64_t Dv, const Ahead<T>& ahead) {
+                int64_t offset, int64_t n, int64_t Dv, int64_t heads, const Ahead<T>& ahead) {
   const Ahead<T> none{};
-  const int64_t four = rows / 4 * 4;
+  const int64_t four = lone_rows<T>(Dv, rows, heads) ? 0 : rows / 4 * 4;
   int64_t e0 = 0;
   if (four > 0) {
     for (; e0 + kValueVecs * kLanes <= Dv; e0 += kValueVecs * kLanes)
