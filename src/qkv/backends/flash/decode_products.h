@@ -207,7 +207,7 @@ constexpr int kRowVecs = kLanes >= 16 ? 8 : static_cast<int>(64 / kLanes);
 // it in pieces of a cache line each, in short steps of keys: float32 value rows of 33 to 64
 // features in AVX2 builds (in-process A/B, Intel Xeon, D 64, the same bits: each row adds its keys
 // in the same order; grouped-query 4 rows in L2 (1 core) 7–12 % faster, from memory (2 threads)
-// 5–6 %, multi-head 4 or 8 tokens 2–4 %; alone, D 32 (two pieces) 22 % slower, bfloat16 (a row
+// 5–9 %, multi-head 4 or 8 tokens 2–4 %; alone, D 32 (two pieces) 22 % slower, bfloat16 (a row
 // widened once per query row) 12 %, AVX-512 D 128 14 %, 16 to 32 rows 0–2 %, paged items of 8
 // heads, whose blocks of value rows stay in L1 less, 5 %).
 template <typename T>
