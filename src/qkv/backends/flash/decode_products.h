@@ -20,6 +20,16 @@
 
 namespace {
 
+// Whether this is an AVX2 build (256-bit vectors, no AVX-512), where the code below takes ways of
+// its own: bfloat16 widened in pairs (load_float_pair), float32 value rows summed alone
+// (lone_rows).
+#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+#define QKV_AVX2_BUILD 1
+constexpr bool kAvx2Build = true;
+#else
+constexpr bool kAvx2Build = false;
+#endif
+
 // 512 bits of the cache from x: one load, or two 256-bit halves in builds for CPUs that carry out
 // 512-bit operations as two halves (QKV_LOAD_HALVES, which kernel.py sets for AMD's Zen 4), where
 // a stream of 256-bit loads reads memory faster (a 2 GiB sum on 2 cores, 31 GB/s vs 28; decoding
@@ -68,7 +78,7 @@ inline Vec load_float(const T* x, int64_t count) {
 // takes to the ports that do the multiply-adds; elsewhere two load_float.
 template <typename T>
 [[gnu::always_inline]] inline std::pair<Vec, Vec> load_float_pair(const T* x) {
-#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+#ifdef QKV_AVX2_BUILD
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
     const __m256i y = _mm256_permute4x64_epi64(raw, 0xD8), zero = _mm256_setzero_si256();
@@ -81,12 +91,7 @@ template <typename T>
 
 // Whether load_float_pair reads T with one load.
 template <typename T>
-constexpr bool kPairLoads =
-#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
-    std::is_same_v<T, at::BFloat16>;
-#else
-    false;
-#endif
+constexpr bool kPairLoads = kAvx2Build && std::is_same_v<T, at::BFloat16>;
 
 // Asks for the cache lines of n values (of type T) from x, into the cache levels near the core.
 template <typename T>
@@ -212,12 +217,8 @@ constexpr int kRowVecs = kLanes >= 16 ? 8 : static_cast<int>(64 / kLanes);
 // heads, whose blocks of value rows stay in L1 less, 5 %).
 template <typename T>
 constexpr bool lone_rows(int64_t Dv, int64_t rows, int64_t heads) {
-#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
-  return std::is_same_v<T, float> && heads == 1 && rows <= 8 && Dv > 32 &&
+  return kAvx2Build && std::is_same_v<T, float> && heads == 1 && rows <= 8 && Dv > 32 &&
          Dv <= kRowVecs * kLanes;
-#else
-  return false;
-#endif
 }
 
 // Whether Σ p v of `rows` query rows per key/value head (of `heads` in the item) should take a
